@@ -1,0 +1,174 @@
+"""`speculant bench model`: the CPU model runtime's numbers, printed side by side.
+
+Prints prefill tokens/s, decode tokens/s at batch 1 and 8, the verify curve (ms per
+forward for T appended tokens at a ~300-token context), peak RSS, and the floor:
+bytes of weights streamed per step / this machine's measured read bandwidth.
+With `--peers`, Hugging Face transformers (fp32, same GGUF) runs in the same process
+for comparison when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+import engine  # noqa: F401
+
+VERIFY_TS = (1, 2, 4, 6, 8, 16)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="speculant bench model")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--peers", action="store_true", help="also time transformers fp32 if installed")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+    return p.parse_args(argv)
+
+
+def read_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
+    """Best-of-3 read bandwidth of a parallel float32 sum over a 1 GiB array."""
+    import numba as nb
+
+    @nb.njit(parallel=True, fastmath=True)
+    def total(a):
+        s = 0.0
+        for i in nb.prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    a = np.ones(nbytes // 4, np.float32)
+    total(a[:1024])
+    best = min(_timed(lambda: total(a)) for _ in range(3))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def engine_args(args, max_tokens):
+    return SimpleNamespace(
+        model=args.model, max_model_len=max(2048, args.context + max_tokens + 64), kv_cache_memory=1.0,
+        block_size=16, max_num_seqs=16, max_num_batched_tokens=512, threads=args.threads,
+        speculative_config=None, served_model_name=None,
+    )
+
+
+def verify_curve(runner, context: int, repeats: int) -> dict[int, float]:
+    """Median ms of a forward that appends T tokens on top of `context` cached tokens."""
+    from engine.cpu_runner import ForwardBatch
+
+    fb = ForwardBatch(runner.cache)
+    table = list(range(-(-(context + 16) // runner.cache.block_size)))  # blocks 0.. hold this context
+    fb.add(np.arange(context, dtype=np.int32) % 1000, 0, table, 1)
+    runner.forward(fb)
+    out = {}
+    for t in VERIFY_TS:
+        times = []
+        for _ in range(repeats):
+            fb.clear()
+            fb.add(np.arange(t, dtype=np.int32) + 7, context, table, t)
+            times.append(_timed(lambda: runner.forward(fb)))
+        out[t] = 1000 * float(np.median(times))
+    return out
+
+
+def decode_rate(eng, prompt_ids, batch: int, num_tokens: int) -> float:
+    from engine.generate import generate
+    from engine.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    generate(eng, [prompt_ids], SamplingParams(max_tokens=2, temperature=0.0))  # prefix cache + JIT warm
+    start = time.perf_counter()
+    done = generate(eng, [prompt_ids] * batch, params)
+    elapsed = time.perf_counter() - start
+    return sum(len(c.token_ids) for c in done) / elapsed
+
+
+def prefill_rate(eng, num_tokens: int) -> float:
+    from engine.generate import generate
+    from engine.protocol import SamplingParams
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, 40000, num_tokens).tolist()  # fresh tokens: no prefix-cache hits
+    t = _timed(lambda: generate(eng, [ids], SamplingParams(max_tokens=1, temperature=0.0)))
+    return num_tokens / t
+
+
+def transformers_decode_rate(path, prompt_ids, num_tokens: int) -> float | None:
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False)
+    return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+
+
+def main(argv=None) -> int:
+    args = parse(argv or [])
+    from engine.llm_engine import LLMEngine
+    from engine.model_files import resolve_model
+
+    eng = LLMEngine.from_args(engine_args(args, args.decode_tokens))
+    runner = eng.runner
+    prompt_ids = (np.arange(args.context) * 37 % 30000 + 100).tolist()
+    res = {"machine_threads": runner_threads(), "weight_bytes": int(runner.weight_bytes)}
+    res["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    res["floor_ms"] = runner.weight_bytes / (res["read_bandwidth_gbs"] * 1e9) * 1000
+    res["verify_ms"] = verify_curve(runner, args.context, args.repeats)
+    res["verify_ratio"] = {t: v / res["verify_ms"][1] for t, v in res["verify_ms"].items()}
+    res["prefill_tok_s"] = prefill_rate(eng, args.context)
+    res["decode_tok_s_b1"] = decode_rate(eng, prompt_ids, 1, args.decode_tokens)
+    res["decode_tok_s_b8"] = decode_rate(eng, prompt_ids, 8, args.decode_tokens)
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.peers:
+        res["transformers_fp32_decode_tok_s_b1"] = transformers_decode_rate(resolve_model(args.model), prompt_ids, 32)
+    report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def runner_threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def report(res: dict) -> None:
+    print(f"threads                 {res['machine_threads']}")
+    print(f"weights streamed/step   {res['weight_bytes'] / 1e6:.1f} MB")
+    print(f"read bandwidth          {res['read_bandwidth_gbs']:.1f} GB/s")
+    print(f"floor (T=1)             {res['floor_ms']:.2f} ms")
+    print("verify curve (ms per forward, ~context tokens cached):")
+    for t, ms in res["verify_ms"].items():
+        print(f"  T={t:<3d} {ms:8.2f} ms   {res['verify_ratio'][t]:.2f}x T=1   {ms / res['floor_ms']:.2f}x floor")
+    print(f"prefill                 {res['prefill_tok_s']:.0f} tok/s")
+    print(f"decode batch 1          {res['decode_tok_s_b1']:.1f} tok/s")
+    print(f"decode batch 8          {res['decode_tok_s_b8']:.1f} tok/s")
+    print(f"peak RSS                {res['peak_rss_mb']:.0f} MB")
+    if "transformers_fp32_decode_tok_s_b1" in res:
+        hf = res["transformers_fp32_decode_tok_s_b1"]
+        print("transformers fp32 b1    " + ("not installed" if hf is None else f"{hf:.1f} tok/s ({res['decode_tok_s_b1'] / hf:.2f}x ours)"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

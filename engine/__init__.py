@@ -1,0 +1,7 @@
+"""Speculant engine: model runtime, scheduler and the speculative step."""
+
+import os
+
+# Numba turns LLVM's SLP vectoriser off by default; the strip-packed weight kernels need it
+# (see shared/CPU-KERNELS.md). It must be set before numba is first imported.
+os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")

@@ -1,0 +1,83 @@
+"""`speculant` console script: one entry point, several subcommands.
+
+Each subcommand imports its own module lazily, so `speculant gateway` never
+imports numba and `speculant proposers` never loads a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="GGUF path or a known name (default: smollm2-135m)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output, in tokens")
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache budget in GiB")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
+    p.add_argument("--threads", type=int, default=0, help="compute threads (0 = all cores)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="compute backend")
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="speculant", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("engine", help="run one engine worker (connects to the gateway over ZeroMQ)")
+    _add_model_args(p)
+    p.add_argument("--endpoint", default=None, help="gateway endpoint (default: $SPECULANT_ENGINE_ENDPOINT)")
+    p.add_argument("--worker-id", default=None, help="worker identity (default: host-pid)")
+
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    p.add_argument("--host", default=None, help="HTTP host (default: $SPECULANT_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default: $SPECULANT_PORT or 8000)")
+    p.add_argument("--endpoint", default=None, help="ZeroMQ endpoint to bind (default: $SPECULANT_ENGINE_ENDPOINT)")
+    p.add_argument("--served-model-name", default=None, help="model name shown in /v1/models")
+
+    p = sub.add_parser("fetch-model", help="download and verify a known model into the cache")
+    p.add_argument("--model", default="smollm2-135m")
+
+    sub.add_parser("proposers", help="list installed proposers (entry point group speculant.proposers)")
+
+    p = sub.add_parser("generate", help="generate text in-process (no server), for quick checks")
+    _add_model_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt with the chat template")
+
+    p = sub.add_parser("bench", help="benchmarks: model, spec, serve")
+    p.add_argument("what", choices=["model", "spec", "serve", "proposers", "linear"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for that benchmark (see --help there)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        import importlib
+
+        module = importlib.import_module(f"benchmarks.{args.what}")
+        return int(module.main(args.rest) or 0)
+    handlers = {
+        "engine": ("engine.worker", "main"),
+        "gateway": ("gateway.server", "main"),
+        "fetch-model": ("engine.model_files", "cli_fetch"),
+        "proposers": ("proposers.registry", "cli_list"),
+        "generate": ("engine.generate", "cli_generate"),
+    }
+    import importlib
+
+    module_name, func = handlers[args.command]
+    return int(getattr(importlib.import_module(module_name), func)(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""CPU model runner: weights packed once, a paged KV cache allocated once, one ragged forward.
+
+The runner owns every array the forward pass touches. A step fills a `ForwardBatch`
+(preallocated host arrays) and calls `forward(batch)`, which returns logits only for
+the rows listed in `batch.logits_indices`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
+from engine.gguf_loader import GGUFModel, ModelConfig
+from engine.kernels import ops
+from engine.kernels.attention import paged_attention, write_kv
+from engine.kernels.linear import linear, pack_gguf_tensor
+from engine.kernels.weights import concat_gguf_rows, embed_rows
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+class ForwardBatch:
+    """Batch description in preallocated arrays; `num_reqs`/`num_tokens`/`num_logits` say how much is live."""
+
+    def __init__(self, cache: CacheConfig):
+        self.token_ids = np.zeros(cache.max_num_batched_tokens, np.int32)  # [num_tokens]
+        self.cu_q = np.zeros(cache.max_num_seqs + 1, np.int32)  # [num_reqs + 1]
+        self.seq_lens = np.zeros(cache.max_num_seqs, np.int32)  # [num_reqs] context length after the append
+        self.block_tables = np.zeros((cache.max_num_seqs, cache.max_blocks_per_seq), np.int32)
+        self.logits_indices = np.zeros(cache.max_num_batched_tokens, np.int32)  # [num_logits]
+        self.num_reqs = 0
+        self.num_tokens = 0
+        self.num_logits = 0
+
+    def clear(self) -> None:
+        self.num_reqs = self.num_tokens = self.num_logits = 0
+
+    def add(self, token_ids, num_cached: int, block_table, num_logits_rows: int) -> None:
+        """Append a request's run of tokens; its last `num_logits_rows` rows get logits."""
+        r, t0, n = self.num_reqs, self.num_tokens, len(token_ids)
+        self.token_ids[t0 : t0 + n] = token_ids
+        self.cu_q[r + 1] = t0 + n
+        self.seq_lens[r] = num_cached + n
+        self.block_tables[r, : len(block_table)] = block_table
+        for j in range(num_logits_rows):
+            self.logits_indices[self.num_logits + j] = t0 + n - num_logits_rows + j
+        self.num_logits += num_logits_rows
+        self.num_reqs, self.num_tokens = r + 1, t0 + n
+
+
+class CpuRunner:
+    def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0):
+        if num_threads > 0:
+            numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
+        self.config = cfg = model.config
+        self.cache = cache
+        self._load_weights(model)
+        max_pos = max(cache.max_model_len, 1)
+        self.rope_cos, self.rope_sin = ops.rope_tables(
+            max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors()
+        )
+        kv_shape = (cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = np.zeros(kv_shape, np.float32)
+        self.v_cache = np.zeros(kv_shape, np.float32)
+        self._alloc_activations()
+
+    @staticmethod
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.kv_size * 4
+
+    def _load_weights(self, model: GGUFModel) -> None:
+        cfg = self.config
+        self.embed = model.tensor("token_embd.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"blk.{i}."
+            qkv = concat_gguf_rows([model.tensor(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
+            gate_up = concat_gguf_rows([model.tensor(p + "ffn_gate.weight"), model.tensor(p + "ffn_up.weight")])
+            self.layers.append(
+                (
+                    model.dense(p + "attn_norm.weight"),
+                    pack_gguf_tensor(qkv),
+                    pack_gguf_tensor(model.tensor(p + "attn_output.weight")),
+                    model.dense(p + "ffn_norm.weight"),
+                    pack_gguf_tensor(gate_up),
+                    pack_gguf_tensor(model.tensor(p + "ffn_down.weight")),
+                )
+            )
+        self.final_norm = model.dense("output_norm.weight")
+        head = self.embed if cfg.tied_embeddings else model.tensor("output.weight")
+        self.lm_head = pack_gguf_tensor(head)
+        self.weight_bytes = sum(w.nbytes for layer in self.layers for w in layer[1:3] + layer[4:6]) + self.lm_head.nbytes
+
+    def _alloc_activations(self) -> None:
+        cfg, n = self.config, self.cache.max_num_batched_tokens
+        self.x = np.zeros((n, cfg.hidden_size), np.float32)  # residual stream
+        self.h = np.zeros((n, cfg.hidden_size), np.float32)  # normed input of a sublayer
+        self.delta = np.zeros((n, cfg.hidden_size), np.float32)  # sublayer output
+        self.qkv = np.zeros((n, cfg.q_size + 2 * cfg.kv_size), np.float32)
+        self.attn = np.zeros((n, cfg.q_size), np.float32)
+        self.gate_up = np.zeros((n, 2 * cfg.intermediate_size), np.float32)
+        self.act = np.zeros((n, cfg.intermediate_size), np.float32)
+        self.logits = np.zeros((n, cfg.vocab_size), np.float32)
+        self.req_of_token = np.zeros(n, np.int32)
+        self.positions = np.zeros(n, np.int32)
+        self.slot_mapping = np.zeros(n, np.int32)
+
+    def forward(self, batch: ForwardBatch) -> np.ndarray:
+        """Run the model over the ragged batch; returns logits [num_logits, vocab] (a view, valid until the next call)."""
+        cfg, T = self.config, batch.num_tokens
+        ops.fill_token_meta(
+            batch.cu_q[: batch.num_reqs + 1], batch.seq_lens[: batch.num_reqs], batch.block_tables,
+            self.cache.block_size, self.req_of_token, self.positions, self.slot_mapping,
+        )
+        x, h, delta = self.x[:T], self.h[:T], self.delta[:T]
+        embed_rows(self.embed, batch.token_ids[:T], x)
+        scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
+            if i == 0:
+                ops.rms_norm(x, attn_norm, cfg.rms_eps, h)
+            else:
+                ops.add_rms_norm(x, delta, attn_norm, cfg.rms_eps, h)
+            qkv = self.qkv[:T]
+            linear(h, w_qkv, qkv)
+            ops.rope_adjacent(qkv, self.positions[:T], self.rope_cos, self.rope_sin,
+                              cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim)
+            write_kv(qkv, self.k_cache[i], self.v_cache[i], self.slot_mapping[:T], cfg.q_size, cfg.kv_size)
+            paged_attention(qkv, self.k_cache[i], self.v_cache[i], self.req_of_token[:T], self.positions[:T],
+                            batch.block_tables, cfg.num_heads, scale, self.attn[:T])
+            linear(self.attn[:T], w_o, delta)
+            ops.add_rms_norm(x, delta, ffn_norm, cfg.rms_eps, h)
+            linear(h, w_gate_up, self.gate_up[:T])
+            ops.swiglu(self.gate_up[:T], self.act[:T])
+            linear(self.act[:T], w_down, delta)
+        ops.add_inplace(x, delta)
+        L = batch.num_logits
+        rows = x[batch.logits_indices[:L]]  # [num_logits, hidden]
+        normed = np.empty_like(rows)
+        ops.rms_norm(rows, self.final_norm, cfg.rms_eps, normed)
+        logits = self.logits[:L]
+        linear(normed, self.lm_head, logits)
+        return logits

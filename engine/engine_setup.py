@@ -1,0 +1,97 @@
+"""Build an engine's parts from command-line style arguments: model, cache, runner, proposer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.block_manager import BlockManager
+from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+from engine.gguf_loader import GGUFModel
+from engine.model_files import resolve_model
+from engine.scheduler import Scheduler
+from engine.spec_control import DraftController
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("speculant.engine")
+
+
+@dataclass
+class EngineParts:
+    model_name: str
+    cache: CacheConfig
+    tokenizer: Any
+    runner: CpuRunner
+    scheduler: Scheduler
+    proposer: Any
+    spec: Any
+    controller: DraftController
+
+
+def cache_config(args, model: GGUFModel) -> CacheConfig:
+    cfg = model.config
+    if args.max_model_len < 2:
+        raise ValueError("max_model_len must be >= 2")
+    if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
+        raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+    max_model_len = min(args.max_model_len, cfg.context_length)
+    per_block = CpuRunner.kv_bytes_per_block(cfg, args.block_size)
+    num_blocks = int(args.kv_cache_memory * 2**30) // per_block
+    needed = -(-max_model_len // args.block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"kv_cache_memory={args.kv_cache_memory} GiB holds {num_blocks} blocks; one request of "
+            f"max_model_len={max_model_len} needs {needed}: raise --kv-cache-memory or lower --max-model-len"
+        )
+    return CacheConfig(args.block_size, num_blocks, max_model_len, args.max_num_seqs, args.max_num_batched_tokens)
+
+
+def measure_verify_curve(runner: CpuRunner, max_t: int, repeats: int = 3) -> np.ndarray:
+    """cost[T] = median forward time with T appended tokens / with 1 token (also warms the JIT)."""
+    fb = ForwardBatch(runner.cache)
+    times = np.ones(max_t + 2)
+    table = list(range(runner.cache.max_blocks_per_seq))[:4]
+    for t in range(1, max_t + 2):
+        samples = []
+        for _ in range(repeats):
+            fb.clear()
+            fb.add(np.zeros(t, np.int32), 0, table, t)
+            start = time.perf_counter()
+            runner.forward(fb)
+            samples.append(time.perf_counter() - start)
+        times[t] = float(np.median(samples))
+    times[0] = times[1]
+    return times / times[1]
+
+
+def build_engine_parts(args) -> EngineParts:
+    spec = None
+    if getattr(args, "speculative_config", None):
+        from engine.spec_config import parse_speculative_config
+
+        spec = parse_speculative_config(args.speculative_config)
+    path = resolve_model(args.model)
+    model = GGUFModel(path)
+    tokenizer = Tokenizer.from_gguf(path)
+    cache = cache_config(args, model)
+    runner = CpuRunner(model, cache, getattr(args, "threads", 0))
+    blocks = BlockManager(cache.num_blocks, cache.block_size)
+    scheduler = Scheduler(blocks, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len)
+    proposer, max_k, budget = None, 0, 0
+    if spec is not None:
+        from proposers.registry import load_proposer_class
+
+        proposer = load_proposer_class(spec.method)(spec, model.config.vocab_size)
+        max_k = spec.num_speculative_tokens
+        budget = spec.max_draft_tokens_per_step
+    max_k = min(max_k, max(cache.max_num_batched_tokens - 1, 0), 16)
+    curve = measure_verify_curve(runner, min(max_k, 16)) if max_k else None
+    if curve is not None:
+        log.info("verify curve (cost relative to T=1): %s", np.round(curve[1:], 2).tolist())
+    name = getattr(args, "served_model_name", None) or args.model
+    log.info("model %s: %s, %d KV blocks of %d tokens", name, model.config.name, cache.num_blocks, cache.block_size)
+    return EngineParts(name, cache, tokenizer, runner, scheduler, proposer, spec, DraftController(max_k, budget, curve))

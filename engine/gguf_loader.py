@@ -1,0 +1,117 @@
+"""Read a Llama-architecture GGUF: hyperparameters from metadata, tensors by name.
+
+Every hyperparameter comes from the file's metadata; nothing is assumed about the
+model beyond "architecture == llama". Q and K weights keep GGUF's row permutation
+(llama.cpp's converter reorders each head's rows so that RoPE rotates adjacent
+pairs (2i, 2i+1)); the runtime therefore applies RoPE to adjacent pairs, which is
+the same function as Hugging Face's rotate-half on the unpermuted weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_theta: float
+    rope_scale: float  # linear position scaling (1.0 = none)
+    rms_eps: float
+    vocab_size: int
+    context_length: int
+    tied_embeddings: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ValueError(f"GGUF metadata is missing {key!r}")
+        return default
+    return field.contents()
+
+
+class GGUFModel:
+    """An opened GGUF file: `config`, `tensor(name)`, and the reader for the tokenizer."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.reader = gguf.GGUFReader(str(self.path))
+        arch = str(_field(self.reader, "general.architecture"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model architecture {arch!r} in {self.path.name}: "
+                f"Speculant runs {', '.join(SUPPORTED_ARCHITECTURES)} models"
+            )
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._read_config(arch)
+
+    def _read_config(self, arch: str) -> ModelConfig:
+        r = self.reader
+        hidden = int(_field(r, f"{arch}.embedding_length"))
+        num_heads = int(_field(r, f"{arch}.attention.head_count"))
+        head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // num_heads))
+        scaling = str(_field(r, f"{arch}.rope.scaling.type", "none"))
+        if scaling not in ("none", "linear"):
+            raise ValueError(f"unsupported RoPE scaling {scaling!r} in {self.path.name}")
+        factor = float(_field(r, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        embd = self.tensors["token_embd.weight"]
+        vocab = int(_field(r, f"{arch}.vocab_size", int(embd.shape[1])))
+        return ModelConfig(
+            architecture=arch,
+            name=str(_field(r, "general.name", self.path.stem)),
+            num_layers=int(_field(r, f"{arch}.block_count")),
+            hidden_size=hidden,
+            intermediate_size=int(_field(r, f"{arch}.feed_forward_length")),
+            num_heads=num_heads,
+            num_kv_heads=int(_field(r, f"{arch}.attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rope_dim=int(_field(r, f"{arch}.rope.dimension_count", head_dim)),
+            rope_theta=float(_field(r, f"{arch}.rope.freq_base", 10000.0)),
+            rope_scale=factor,
+            rms_eps=float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon")),
+            vocab_size=vocab,
+            context_length=int(_field(r, f"{arch}.context_length", 2048)),
+            tied_embeddings="output.weight" not in self.tensors,
+        )
+
+    def tensor(self, name: str):
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ValueError(f"tensor {name!r} missing from {self.path.name}") from None
+
+    def dense(self, name: str) -> np.ndarray:
+        """A tensor dequantized to float32 in logical (row-major, ggml-reversed) shape."""
+        t = self.tensor(name)
+        shape = tuple(int(s) for s in reversed(t.shape))
+        return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+
+    def rope_freq_factors(self) -> np.ndarray | None:
+        """Llama-3 style per-frequency divisors (tensor rope_freqs.weight), if the file has them."""
+        if "rope_freqs.weight" not in self.tensors:
+            return None
+        return self.dense("rope_freqs.weight").reshape(-1)

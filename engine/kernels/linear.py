@@ -1,0 +1,171 @@
+"""Weight products y = x @ W.T for small token counts, bit-invariant across T and batch rows.
+
+Weights are packed once at load time into strips of 16 output rows stored k-major (see
+linear_jit). Q4_1 and Q8_0 tensors keep their exact quants and scales; every other GGUF type is
+dequantized to float32. Row t of `linear`'s output depends only on x[t] and W, never on T, on
+which kernel the token count selects, or on the other rows of the batch: speculative
+verification of T draft tokens therefore reproduces plain T = 1 decoding bit for bit.
+"""
+
+import threading
+from dataclasses import dataclass
+
+import gguf
+import numba
+import numpy as np
+
+from engine.kernels import linear_jit, linear_quant
+
+STRIP = 16  # output rows per strip
+QK = 32  # weights per GGUF Q4_1 / Q8_0 block
+TILE_MIN_TOKENS = 3  # from here 4-token tiles (quants decoded once per strip) beat pairs
+
+_Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+_Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
+_scratch = threading.local()
+_F32 = np.dtype(np.float32)
+_SMALL = {
+    "f32": linear_jit.f32_linear_small,
+    "q4_1": linear_quant.q4_1_linear_small,
+    "q8_0": linear_quant.q8_0_linear_small,
+}
+_SCRATCH = {"q4_1": linear_quant.q4_1_linear_scratch, "q8_0": linear_quant.q8_0_linear_scratch}
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """One weight matrix W of logical shape [n, k] (out_features, in_features) in strip layout.
+
+    kind "f32":  arrays = (w [S, k, 16] float32,)
+    kind "q4_1": arrays = (qs [S, k/2, 16] uint8, d [S, k/32, 16] float32, m [S, k/32, 16] float32)
+    kind "q8_0": arrays = (qs [S, k, 16] int8, d [S, k/32, 16] float32)
+    with S = ceil(n / 16); padding rows are zero. nbytes is what one product streams.
+    """
+
+    n: int
+    k: int
+    kind: str
+    arrays: tuple
+    nbytes: int
+
+    def dequantize(self) -> np.ndarray:
+        """W as float32 [n, k]: exactly the values the kernels multiply with."""
+        if self.kind == "f32":
+            strips = self.arrays[0]
+        elif self.kind == "q8_0":
+            qs, d = self.arrays
+            strips = np.repeat(d, QK, axis=1) * qs.astype(np.float32)
+        else:
+            qs, d, m = self.arrays
+            q = np.empty((qs.shape[0], self.k, STRIP), np.float32)
+            q[:, 0::2] = qs & np.uint8(15)
+            q[:, 1::2] = qs >> np.uint8(4)
+            strips = np.repeat(d, QK, axis=1) * q + np.repeat(m, QK, axis=1)
+        return np.ascontiguousarray(strips.transpose(0, 2, 1).reshape(-1, self.k)[: self.n])
+
+
+def _to_strips(rows: np.ndarray) -> np.ndarray:
+    """[n, c] -> [ceil(n/16), c, 16]: strips of 16 rows, k-major, zero-padded."""
+    n, c = rows.shape
+    num_strips = -(-n // STRIP)
+    padded = np.zeros((num_strips * STRIP, c), rows.dtype)
+    padded[:n] = rows
+    return np.ascontiguousarray(padded.reshape(num_strips, STRIP, c).transpose(0, 2, 1))
+
+
+def _packed(n: int, k: int, kind: str, arrays: tuple) -> PackedWeight:
+    nbytes = sum(a.nbytes for a in arrays)
+    return PackedWeight(n=n, k=k, kind=kind, arrays=arrays, nbytes=nbytes)
+
+
+def pack_f32(w: np.ndarray) -> PackedWeight:
+    """Pack a float32 [n, k] matrix (y = x @ w.T)."""
+    w = np.asarray(w)
+    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"w must be a non-empty 2-D [n, k] matrix, got shape {w.shape}")
+    if w.dtype != np.float32:
+        raise ValueError(f"w must be float32, got {w.dtype}")
+    return _packed(w.shape[0], w.shape[1], "f32", (_to_strips(w),))
+
+
+def _block_scales(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """fp16 field at byte `offset` of each block [n, nb, bytes] -> float32 strips (exact)."""
+    scales = np.ascontiguousarray(blocks[:, :, offset : offset + 2]).view(np.float16)[:, :, 0]
+    return _to_strips(scales.astype(np.float32))
+
+
+def _pack_q4_1(blocks: np.ndarray, n: int, k: int) -> PackedWeight:
+    """blocks [n, k/32, 20]; GGUF element j < 16 is qs[j] & 15, element j >= 16 is qs[j-16] >> 4."""
+    qs = blocks[:, :, 4:]  # [n, nb, 16]
+    values = np.concatenate([qs & np.uint8(15), qs >> np.uint8(4)], axis=2).reshape(n, k)
+    pairs = values[:, 0::2] | (values[:, 1::2] << np.uint8(4))  # [n, k/2]: even k low, odd k high
+    arrays = (_to_strips(pairs), _block_scales(blocks, 0), _block_scales(blocks, 2))
+    return _packed(n, k, "q4_1", arrays)
+
+
+def _pack_q8_0(blocks: np.ndarray, n: int, k: int) -> PackedWeight:
+    qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, k)
+    return _packed(n, k, "q8_0", (_to_strips(qs), _block_scales(blocks, 0)))
+
+
+def pack_gguf_tensor(t) -> PackedWeight:
+    """Pack a 2-D gguf.ReaderTensor (ggml shape [k, n]); Q4_1 and Q8_0 stay exact."""
+    name = getattr(t, "name", "tensor")
+    shape = [int(v) for v in t.shape]
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"{name}: shape must be a 2-D [k, n] weight, got {shape}")
+    k, n = shape
+    kind = gguf.GGMLQuantizationType(t.tensor_type)
+    raw = np.asarray(t.data)
+    if kind in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+        block_bytes = _Q4_1_BLOCK_BYTES if kind == gguf.GGMLQuantizationType.Q4_1 else _Q8_0_BLOCK_BYTES
+        if k % QK or raw.dtype != np.uint8 or raw.size != n * (k // QK) * block_bytes:
+            raise ValueError(f"{name}: data does not hold {n} rows of {k} {kind.name} weights")
+        blocks = raw.reshape(n, k // QK, block_bytes)
+        return (_pack_q4_1 if block_bytes == _Q4_1_BLOCK_BYTES else _pack_q8_0)(blocks, n, k)
+    try:
+        w = gguf.quants.dequantize(raw, kind)
+    except NotImplementedError as exc:
+        raise ValueError(f"{name}: tensor_type {kind.name} cannot be dequantized") from exc
+    if w.size != n * k:
+        raise ValueError(f"{name}: data holds {w.size} weights, shape {shape} needs {n * k}")
+    return pack_f32(np.asarray(w, np.float32).reshape(n, k))
+
+
+def _scratch_for(k: int) -> np.ndarray:
+    """This Python thread's decode scratch [max threads, k, 16] float32."""
+    cached = getattr(_scratch, "by_k", None)
+    if cached is None:
+        cached = _scratch.by_k = {}
+    buf = cached.get(k)
+    if buf is None:
+        buf = cached[k] = np.empty((numba.config.NUMBA_NUM_THREADS, k, STRIP), np.float32)
+    return buf
+
+
+def _check(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> None:
+    """Cheap on the hot path (one call per weight product); names the bad field otherwise."""
+    if not isinstance(w, PackedWeight):
+        raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
+    for field, a, cols in (("x", x, w.k), ("out", out, w.n)):
+        if not isinstance(a, np.ndarray) or a.dtype != _F32 or a.ndim != 2:
+            raise ValueError(f"{field} must be a 2-D float32 array")
+        if a.shape[1] != cols or not a.flags.c_contiguous:
+            raise ValueError(f"{field} must be C-contiguous [T, {cols}], got shape {a.shape}")
+    if out.shape[0] != x.shape[0] or not out.flags.writeable:
+        raise ValueError(f"out must be a writeable [{x.shape[0]}, {w.n}] array, got shape {out.shape}")
+    if np.may_share_memory(x, out):  # the kernels are compiled assuming no overlap
+        raise ValueError("out must not overlap x")
+
+
+def linear(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> None:
+    """out [T, n] = x [T, k] @ W.T; every element one sequential float32 sum over k."""
+    _check(x, w, out)
+    if x.shape[0] == 0:
+        return
+    if x.shape[0] < TILE_MIN_TOKENS:
+        _SMALL[w.kind](x, *w.arrays, out)
+    elif w.kind == "f32":
+        linear_jit.f32_linear_tiles(x, w.arrays[0], out)
+    else:
+        _SCRATCH[w.kind](x, *w.arrays, out, _scratch_for(w.k))

@@ -1,0 +1,187 @@
+"""The engine: one model runtime, one scheduler, one proposer; `step()` reads top to bottom.
+
+    schedule -> propose -> verify (one forward + one verification kernel) -> accept -> emit
+
+Vocabulary: a *draft* token comes from the proposer; the target model *verifies*
+the request's last token plus its drafts in one forward; drafts that pass are
+*accepted*; the first rejected draft is replaced by a *recovered* token sampled
+from the target; if every draft passes, one *bonus* token is sampled from the last
+row. Output tokens of a step = accepted + (recovered or bonus), so at least one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from engine.engine_setup import EngineParts, build_engine_parts
+from engine.errors import InvalidRequest
+from engine.output_processor import OutputState, make_output
+from engine.protocol import Generate, Output, WorkerStats
+from engine.request_input import prompt_token_ids, validate_params
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from engine.step_batch import StepBatch
+
+log = logging.getLogger("speculant.engine")
+
+
+class LLMEngine:
+    def __init__(self, parts: EngineParts):
+        self.parts = parts
+        self.model_name = parts.model_name
+        self.max_model_len = parts.cache.max_model_len
+        self.tokenizer = parts.tokenizer
+        self.runner = parts.runner
+        self.scheduler = parts.scheduler
+        self.proposer = parts.proposer
+        self.spec = parts.spec
+        self.spec_method = parts.spec.method if parts.spec else None
+        self.num_speculative_tokens = parts.spec.num_speculative_tokens if parts.spec else 0
+        self.controller = parts.controller
+        self.step_batch = StepBatch(parts.cache, parts.runner.config.vocab_size)
+        self.seqs: dict[str, Sequence] = {}
+        self.states: dict[str, OutputState] = {}
+        self.accepted_per_pos = np.zeros(max(self.num_speculative_tokens, 1), np.int64)
+        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+
+    @classmethod
+    def from_args(cls, args) -> "LLMEngine":
+        return cls(build_engine_parts(args))
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, msg: Generate) -> None:
+        if msg.request_id in self.seqs:
+            raise InvalidRequest(f"duplicate request id {msg.request_id!r}", "request_id")
+        ids = prompt_token_ids(msg, self.tokenizer)
+        validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
+        seq = Sequence(msg.request_id, ids, msg.params, self.max_model_len + self.num_speculative_tokens + 1)
+        self.seqs[seq.request_id] = seq
+        self.states[seq.request_id] = OutputState(self.tokenizer, seq, self.max_model_len)
+        if self.proposer is not None:
+            self.proposer.start_request(seq.request_id, seq.token_ids[: seq.num_tokens])
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            seq.finish_reason = "abort"
+            self._release(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def request_ids(self) -> set[str]:
+        return set(self.seqs)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        self.states.pop(seq.request_id, None)
+        if self.proposer is not None:
+            self.proposer.stop_request(seq.request_id)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[Output]:
+        sched = self.schedule()
+        if not sched:
+            return []
+        drafts = self.propose(sched)
+        batch = self.step_batch.build(sched, drafts)
+        logits = self.runner.forward(batch.forward)  # [num_logits, vocab]
+        self.step_batch.verify(logits, self.spec)
+        return self.accept_and_emit(sched, logits)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        self.controller.start_step()
+        return self.scheduler.schedule(self._draft_room).scheduled
+
+    def _draft_room(self, seq: Sequence) -> int:
+        if self.proposer is None:
+            return 0
+        remaining = seq.params.max_tokens - seq.num_output_tokens
+        return self.controller.room(seq.params.num_speculative_tokens, seq, remaining)
+
+    def propose(self, sched: list[ScheduledSeq]):
+        """Drafts for the requests that reserved room (decodes); others get none."""
+        if self.proposer is None:
+            return None
+        from proposers.base import DraftRequest
+
+        asks = [
+            DraftRequest(s.seq.request_id, s.seq.token_ids[: s.seq.num_tokens], s.seq.num_prompt_tokens,
+                         s.max_draft_tokens, s.seq.params.temperature)
+            for s in sched if s.max_draft_tokens > 0
+        ]
+        return self.proposer.propose(asks) if asks else None
+
+    def accept_and_emit(self, sched: list[ScheduledSeq], logits: np.ndarray) -> list[Output]:
+        outputs = []
+        for i, item in enumerate(sched):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            result = self.step_batch.result(i)
+            if result is None:  # partial prefill chunk: nothing sampled yet
+                self._hash_blocks(seq)
+                continue
+            outputs.append(self._accept(seq, result, logits))
+        return outputs
+
+    def _accept(self, seq: Sequence, result, logits: np.ndarray) -> Output:
+        token_ids, num_drafts, num_accepted, rows = result
+        self._record_spec(seq, num_drafts, num_accepted)
+        state = self.states[seq.request_id]
+        num_taken = state.add_tokens(seq, token_ids)
+        # The KV of the accepted drafts was written by this forward: they are now computed.
+        seq.num_computed_tokens = min(seq.num_computed_tokens + min(num_accepted, num_taken), seq.num_tokens - 1)
+        self._hash_blocks(seq)
+        taken = token_ids[:num_taken]
+        drafted = [j < num_accepted for j in range(num_taken)]
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = state.logprobs(logits[rows[:num_taken]], taken, seq.params.logprobs)
+        if self.proposer is not None:
+            self.proposer.extend_request(seq.request_id, taken)
+        out = make_output(seq, state, taken, drafted, logprobs)
+        if seq.finish_reason is not None:
+            self._release(seq)
+        return out
+
+    def _hash_blocks(self, seq: Sequence) -> None:
+        seq.num_hashed_blocks, seq.last_block_hash = self.scheduler.blocks.register_full_blocks(
+            seq.token_ids, seq.block_table, seq.num_hashed_blocks, seq.last_block_hash, seq.num_computed_tokens
+        )
+
+    def _record_spec(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            seq.steps_without_drafts += 1
+            return
+        seq.steps_without_drafts = 0
+        seq.num_drafts += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
+        seq.acceptance_ema = 0.7 * seq.acceptance_ema + 0.3 * (num_accepted / num_drafts)
+        self.totals["num_drafts"] += 1
+        self.totals["num_draft_tokens"] += num_drafts
+        self.totals["num_accepted_tokens"] += num_accepted
+        self.accepted_per_pos[:num_accepted] += 1
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> WorkerStats:
+        blocks = self.scheduler.blocks
+        return WorkerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=blocks.usage,
+            num_free_blocks=blocks.num_free,
+            num_total_blocks=blocks.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            accepted_per_pos=[int(x) for x in self.accepted_per_pos],
+            prefix_cache_hits=blocks.num_cache_hits,
+            prefix_cache_queries=blocks.num_cache_queries,
+            **self.totals,
+        )

@@ -1,0 +1,154 @@
+"""Wire protocol between the gateway and engine workers.
+
+Every message is a msgspec Struct in one tagged union per direction, encoded as
+msgpack and decoded by one typed decoder. Nothing here is ever pickled.
+
+Transport: the gateway binds a ZeroMQ ROUTER socket; each worker connects a
+DEALER socket (identity = worker id). One frame per message.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """Per-request generation settings (validated by the gateway and again by the engine)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token + top-k alternatives
+    # Per-request speculation cap (llama.cpp's speculative.n_max): None = server default, 0 = off.
+    num_speculative_tokens: int | None = None
+    include_provenance: bool = False  # opt-in per-token "drafted vs target" flags on the stream
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    role: str
+    content: str
+
+
+# ---------------------------------------------------------------- gateway -> worker
+
+
+class Generate(msgspec.Struct, tag="generate", frozen=True):
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None  # completions: raw text
+    prompt_token_ids: list[int] | None = None  # completions: pre-tokenized prompt
+    messages: list[ChatMessage] | None = None  # chat: rendered with the model's chat template
+    add_generation_prompt: bool = True
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    request_id: str
+
+
+class GatewayHello(msgspec.Struct, tag="gateway_hello", frozen=True):
+    """Sent by a (re)started gateway: the worker aborts requests the gateway no longer knows."""
+
+    gateway_id: str
+    live_request_ids: list[str] = []
+
+
+ToWorker = Generate | Abort | GatewayHello
+
+
+# ---------------------------------------------------------------- worker -> gateway
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = []  # (token_id, token text, logprob)
+
+
+class Output(msgspec.Struct, frozen=True):
+    """What one engine step produced for one request."""
+
+    request_id: str
+    text: str  # detokenized delta; never contains text past a stop string
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # running total
+    logprobs: list[TokenLogprob] | None = None
+    # Provenance of each new token: True = an accepted draft token, False = made by the target.
+    drafted: list[bool] | None = None
+    num_drafts: int = 0  # running totals of the request's speculation
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # Seconds the request waited before it was first scheduled; set on its first output only.
+    # The worker fills it in when the engine leaves it None.
+    queue_time: float | None = None
+
+
+class Outputs(msgspec.Struct, tag="outputs", frozen=True):
+    items: list[Output]
+
+
+class RequestError(msgspec.Struct, tag="request_error", frozen=True):
+    """A request the worker refused or could not finish (OpenAI error fields)."""
+
+    request_id: str
+    message: str
+    status: int = 400
+    error_type: str = "invalid_request_error"  # OpenAI `error.type` (`type` is msgspec's tag field)
+    param: str | None = None
+    code: str | None = None
+
+
+class WorkerStats(msgspec.Struct, frozen=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0
+
+
+class Ready(msgspec.Struct, tag="ready", frozen=True):
+    worker_id: str
+    model: str
+    max_model_len: int
+    protocol_version: int = PROTOCOL_VERSION
+    pid: int = 0
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    worker_id: str
+    stats: WorkerStats
+
+
+class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
+    worker_id: str
+    reason: str = "shutdown"
+
+
+ToGateway = Ready | Heartbeat | Outputs | RequestError | Goodbye
+
+_encoder = msgspec.msgpack.Encoder()
+worker_decoder = msgspec.msgpack.Decoder(ToWorker)
+gateway_decoder = msgspec.msgpack.Decoder(ToGateway)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)

@@ -1,0 +1,61 @@
+"""Turn a Generate message into prompt token ids and check its parameters (clear errors, field named)."""
+
+from __future__ import annotations
+
+import math
+
+from engine.errors import InvalidRequest
+from engine.protocol import Generate, SamplingParams
+
+MAX_STOP_STRINGS = 64
+MAX_LOGPROBS = 20
+
+
+def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
+    if msg.messages is not None:
+        if not msg.messages:
+            raise InvalidRequest("messages must not be empty", "messages")
+        text = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in msg.messages], msg.add_generation_prompt
+        )
+        ids = tokenizer.encode(text)
+        param = "messages"
+    elif msg.prompt_token_ids is not None:
+        ids = list(msg.prompt_token_ids)
+        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{tokenizer.vocab_size - 1})", "prompt")
+        param = "prompt"
+    elif msg.prompt is not None:
+        ids = tokenizer.encode(msg.prompt)
+        param = "prompt"
+    else:
+        raise InvalidRequest("either prompt or messages is required", "prompt")
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param)
+    return ids
+
+
+def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {num_prompt_tokens} tokens; this model's maximum context length is "
+            f"{max_model_len} tokens including at least one output token",
+            "prompt", "context_length_exceeded",
+        )
+    if not isinstance(p.max_tokens, int) or p.max_tokens < 1:
+        raise InvalidRequest("max_tokens must be an integer >= 1", "max_tokens")
+    if not (math.isfinite(p.temperature) and 0.0 <= p.temperature <= 2.0):
+        raise InvalidRequest("temperature must be between 0 and 2", "temperature")
+    if not (math.isfinite(p.top_p) and 0.0 < p.top_p <= 1.0):
+        raise InvalidRequest("top_p must be in (0, 1]", "top_p")
+    if p.top_k < 0:
+        raise InvalidRequest("top_k must be >= 0 (0 = off)", "top_k")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
+        raise InvalidRequest("stop_token_ids must be token ids of this model's vocabulary", "stop_token_ids")
+    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    if p.num_speculative_tokens is not None and not 0 <= p.num_speculative_tokens <= 64:
+        raise InvalidRequest("speculative.n_max must be between 0 and 64", "speculative")

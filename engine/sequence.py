@@ -1,0 +1,59 @@
+"""One request's state inside the engine: tokens, cache progress, sampling RNG, stats."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import numpy as np
+
+from engine.protocol import SamplingParams
+
+_arrival = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, capacity: int):
+        self.request_id = request_id
+        self.params = params
+        self.arrival = next(_arrival)
+        self.status = Status.WAITING
+        self.token_ids = np.zeros(capacity, np.int32)  # [capacity] prompt + output (+ room for drafts)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_tokens = len(prompt_ids)
+        self.token_ids[: self.num_tokens] = prompt_ids
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0
+        self.last_block_hash = 0
+        # A fresh generator per request: its samples never depend on what else is batched.
+        self.rng = np.random.default_rng(params.seed)
+        self.finish_reason: str | None = None
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.acceptance_ema = 0.5  # running estimate of the per-token draft acceptance rate
+        self.steps_without_drafts = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens other than the last one are still missing from the cache."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return self.token_ids[self.num_prompt_tokens : self.num_tokens]
+
+    def append(self, token_id: int) -> None:
+        self.token_ids[self.num_tokens] = token_id
+        self.num_tokens += 1

@@ -1,0 +1,116 @@
+"""Lay one step out as arrays: the ragged forward batch and the verification inputs.
+
+For request r the forward appends its new tokens (a prefill chunk, or its last
+token followed by its drafts). Requests that sample this step own a contiguous run
+of logits rows, cu_rows[r]:cu_rows[r+1] = 1 + num_drafts rows: the target's
+distribution after the last token and after each draft.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.cpu_runner import CacheConfig, ForwardBatch
+from engine.verify import GREEDY, NORMAL, POLICY_IDS, REJECTION, STRATEGY_IDS, verify
+
+
+class StepBatch:
+    def __init__(self, cache: CacheConfig, vocab_size: int):
+        n, s = cache.max_num_batched_tokens, cache.max_num_seqs
+        self.forward = ForwardBatch(cache)
+        self.vocab_size = vocab_size
+        self.cu_rows = np.zeros(s + 1, np.int32)  # [num_sampling + 1]
+        self.draft_ids = np.zeros(n, np.int32)  # [num_rows - num_sampling]
+        self.has_draft_probs = np.zeros(s, np.bool_)
+        self.temperature = np.zeros(s, np.float32)
+        self.top_p = np.ones(s, np.float32)
+        self.top_k = np.zeros(s, np.int32)
+        self.strategy = np.zeros(s, np.int32)
+        self.uniforms = np.zeros((n, 2), np.float64)  # [num_rows, 2]
+        self.out_token_ids = np.zeros(n, np.int32)  # [num_rows]
+        self.out_num_accepted = np.zeros(s, np.int32)  # [num_sampling]
+        self.no_probs = np.zeros((0, vocab_size), np.float32)
+        self.slot_of_item: list[int] = []  # scheduled item -> sampling slot (-1 = partial prefill)
+        self.draft_probs = None
+
+    def build(self, sched, drafts) -> "StepBatch":
+        fb = self.forward
+        fb.clear()
+        self.slot_of_item = []
+        draft_of = self._index_drafts(sched, drafts)
+        probs = []
+        num_sampling = 0
+        for item in sched:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            d_ids, d_probs = draft_of.get(seq.request_id, (None, None))
+            num_d = 0 if d_ids is None else len(d_ids)
+            run = seq.token_ids[start : start + item.num_new_tokens]
+            samples = start + item.num_new_tokens == seq.num_tokens
+            if num_d:
+                run = np.concatenate([run, d_ids.astype(np.int32)])
+            fb.add(run, start, seq.block_table, 1 + num_d if samples else 0)
+            if not samples:
+                self.slot_of_item.append(-1)
+                continue
+            self._add_sampling(num_sampling, seq, d_ids, num_d, d_probs, probs)
+            self.slot_of_item.append(num_sampling)
+            num_sampling += 1
+        self.num_sampling = num_sampling
+        self.draft_probs = np.concatenate(probs) if probs and self.has_draft_probs[:num_sampling].any() else None
+        return self
+
+    def _index_drafts(self, sched, drafts) -> dict:
+        if drafts is None:
+            return {}
+        asked = [s.seq.request_id for s in sched if s.max_draft_tokens > 0]
+        probs = drafts.probs or [None] * len(asked)
+        return {rid: (ids[: s_max], p) for rid, ids, p, s_max in
+                zip(asked, drafts.token_ids, probs, [s.max_draft_tokens for s in sched if s.max_draft_tokens > 0])}
+
+    def _add_sampling(self, r, seq, d_ids, num_d, d_probs, probs) -> None:
+        params = seq.params
+        lo = self.cu_rows[r]
+        self.cu_rows[r + 1] = lo + 1 + num_d
+        if num_d:
+            self.draft_ids[lo - r : lo - r + num_d] = d_ids
+        self.has_draft_probs[r] = d_probs is not None
+        if num_d:
+            probs.append(d_probs if d_probs is not None else np.zeros((num_d, self.vocab_size), np.float32))
+        self.temperature[r] = params.temperature
+        self.top_p[r] = params.top_p
+        self.top_k[r] = params.top_k
+        self.uniforms[lo : lo + 1 + num_d] = seq.rng.random((1 + num_d, 2))
+
+    def verify(self, logits: np.ndarray, spec) -> None:
+        """Run the batched verification kernel over every sampling request at once."""
+        n = self.num_sampling
+        if n == 0:
+            return
+        for r in range(n):
+            self.strategy[r] = self._strategy(spec, self.temperature[r])
+        policy = POLICY_IDS[spec.accept_policy] if spec else NORMAL
+        topp = {"max_candidate_len": spec.max_candidate_len, "verify_top_p": spec.verify_top_p} if spec else {}
+        num_rows = int(self.cu_rows[n])
+        verify(
+            logits, self.cu_rows[: n + 1], self.draft_ids[: num_rows - n],
+            self.draft_probs if self.draft_probs is not None else self.no_probs,
+            self.has_draft_probs[:n], self.temperature[:n], self.top_p[:n], self.top_k[:n],
+            self.strategy[:n], policy, self.uniforms[:num_rows], self.out_token_ids[:num_rows],
+            self.out_num_accepted[:n], **topp,
+        )
+
+    @staticmethod
+    def _strategy(spec, temperature: float) -> int:
+        if spec is not None:
+            return STRATEGY_IDS[spec.strategy_for(temperature)]
+        return GREEDY if temperature == 0 else REJECTION
+
+    def result(self, item_index: int):
+        """(output token ids, num drafts, num accepted, logits rows) of a scheduled item, or None."""
+        r = self.slot_of_item[item_index]
+        if r < 0:
+            return None
+        lo, hi = int(self.cu_rows[r]), int(self.cu_rows[r + 1])
+        a = int(self.out_num_accepted[r])
+        return self.out_token_ids[lo : lo + a + 1].copy(), hi - lo - 1, a, np.arange(lo, lo + a + 1)

@@ -1,0 +1,283 @@
+"""Numba kernels behind `engine.verify`: the target distribution p of a row, sampling, and the
+per-request verification loop. See engine/verify.py for the maths.
+
+All of them live in this one file on purpose: Numba's on-disk cache is invalidated only when the
+file defining a cached function changes, not when a jitted function it calls from another file
+does, so splitting these kernels across files would let stale machine code survive an edit.
+
+p = softmax(logits / T), restricted to the top_k logits, then to the nucleus (the smallest set, by
+descending probability, with mass >= top_p), renormalised; ties -> lowest id first. The kernels
+work on unnormalised mass (float64) and its sum Z, so p = mass / Z: one O(vocab) pass of exp per
+row. top_k and top_p stay O(vocab): tokens are bucketed by logit and only the bucket where the
+cut falls is sorted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+GREEDY, TARGET_MATCH, TOPP, REJECTION = 0, 1, 2, 3
+NORMAL, ACCEPT_ALL, REJECT_ALL = 0, 1, 2
+_ACCEPT, _SAMPLE = 0, 1  # columns of `uniforms`
+
+
+@njit(cache=True)
+def argmax(row):
+    best = 0
+    for v in range(1, row.shape[0]):
+        if row[v] > row[best]:  # strict: ties keep the lowest id
+            best = v
+    return best
+
+
+_NUM_BUCKETS = 1024
+
+
+@njit(cache=True)
+def _bucket_by_logit(row, mass, peak, low, bucket):
+    # bucket[v]: 0 for the highest logits .. _NUM_BUCKETS - 1 just above `low`; -1 below `low` or
+    # already excluded. Monotone in the logit, so a lower bucket never holds a higher logit: only
+    # the one bucket where a cut falls has to be sorted.
+    width = (peak - low) / _NUM_BUCKETS
+    for v in range(row.shape[0]):
+        x = np.float64(row[v])
+        if x < low or mass[v] == 0.0:
+            bucket[v] = -1
+        elif width <= 0.0:
+            bucket[v] = 0
+        else:
+            bucket[v] = min(int((peak - x) / width), _NUM_BUCKETS - 1)
+
+
+@njit(cache=True)
+def _sorted_bucket(bucket, b, key):
+    # Ids in bucket b by descending key; a stable sort keeps ties in ascending id order.
+    ids = np.empty(bucket.shape[0], dtype=np.int64)
+    n = 0
+    for v in range(bucket.shape[0]):
+        if bucket[v] == b:
+            ids[n] = v
+            n += 1
+    ids = ids[:n]
+    return ids[np.argsort(-key[ids], kind="mergesort")]
+
+
+@njit(cache=True)
+def _keep_top_k(row, mass, top_k, peak, bucket):
+    # Zero the mass outside the top_k logits; ties at the cut keep the lowest ids.
+    _bucket_by_logit(row, mass, peak, np.float64(row.min()), bucket)
+    counts = np.zeros(_NUM_BUCKETS, dtype=np.int64)
+    for v in range(row.shape[0]):
+        counts[bucket[v]] += 1
+    before, cut = 0, 0
+    for cut in range(_NUM_BUCKETS):
+        if before + counts[cut] >= top_k:
+            break
+        before += counts[cut]
+    order = _sorted_bucket(bucket, cut, row.astype(np.float64))
+    for v in range(row.shape[0]):
+        if bucket[v] > cut:
+            mass[v] = 0.0
+    for i in range(top_k - before, order.shape[0]):
+        mass[order[i]] = 0.0
+
+
+@njit(cache=True)
+def _keep_nucleus(row, mass, total, top_p, peak, temperature, bucket):
+    # Keep the shortest prefix, by descending p (ties -> lowest id), whose mass reaches top_p.
+    # Every kept token has p > (1 - top_p) / vocab (the ranks after the last kept one hold mass
+    # > 1 - top_p in <= vocab tokens), i.e. a logit above `low`: the rest are dropped unsorted.
+    vocab = row.shape[0]
+    low = peak + temperature * np.log((1.0 - top_p) / vocab * total) - 1e-9 * temperature
+    _bucket_by_logit(row, mass, peak, low, bucket)
+    bucket_mass = np.zeros(_NUM_BUCKETS)
+    for v in range(vocab):
+        if bucket[v] >= 0:
+            bucket_mass[bucket[v]] += mass[v]
+    target = top_p * total
+    cum, cut = 0.0, 0
+    for cut in range(_NUM_BUCKETS):
+        if cum + bucket_mass[cut] >= target:
+            break
+        cum += bucket_mass[cut]
+    order = _sorted_bucket(bucket, cut, mass)
+    num_kept = order.shape[0]
+    for i in range(order.shape[0]):
+        cum += mass[order[i]]
+        if cum >= target:
+            num_kept = i + 1
+            break
+    for i in range(num_kept, order.shape[0]):
+        mass[order[i]] = 0.0
+    new_total = 0.0
+    for v in range(vocab):
+        if bucket[v] < 0 or bucket[v] > cut:
+            mass[v] = 0.0
+        new_total += mass[v]
+    return new_total
+
+
+@njit(cache=True)
+def target_mass(row, temperature, top_k, top_p, mass):
+    """Unnormalised p into mass[:] (float64); returns its sum Z, so p = mass / Z."""
+    vocab = row.shape[0]
+    peak = np.float64(row[argmax(row)])
+    total = 0.0
+    for v in range(vocab):
+        z = (np.float64(row[v]) - peak) / temperature
+        e = np.exp(z) if z > -745.0 else 0.0  # exp underflows to 0 below -745 anyway
+        mass[v] = e
+        total += e
+    if (0 < top_k < vocab) or top_p < 1.0:
+        bucket = np.empty(vocab, dtype=np.int64)
+        if 0 < top_k < vocab:
+            _keep_top_k(row, mass, top_k, peak, bucket)
+            total = 0.0
+            for v in range(vocab):
+                total += mass[v]
+        if top_p < 1.0:
+            total = _keep_nucleus(row, mass, total, top_p, peak, temperature, bucket)
+    return total
+
+
+@njit(cache=True)
+def sample(mass, total, u):
+    # Inverse CDF over ids: the first id whose cumulative mass exceeds u * Z.
+    target = u * total
+    cum = 0.0
+    last = 0
+    for v in range(mass.shape[0]):
+        if mass[v] > 0.0:
+            cum += mass[v]
+            last = v
+            if cum > target:
+                return v
+    return last  # u * Z rounded past the end
+
+
+@njit(cache=True)
+def _sample_residual(mass, total, q_row, has_q, draft_id, u):
+    # Residual r = max(0, p - q), normalised; for one-hot q it is p with the draft removed.
+    vocab = mass.shape[0]
+    r_total = 0.0
+    for v in range(vocab):
+        q = (q_row[v] if has_q else (1.0 if v == draft_id else 0.0))
+        r = mass[v] / total - q
+        if r > 0.0:
+            r_total += r
+    if r_total <= 0.0:  # p == q up to rounding: rejection was (almost) impossible
+        return sample(mass, total, u)
+    target = u * r_total
+    cum = 0.0
+    last = 0
+    for v in range(vocab):
+        q = (q_row[v] if has_q else (1.0 if v == draft_id else 0.0))
+        r = mass[v] / total - q
+        if r > 0.0:
+            cum += r
+            last = v
+            if cum > target:
+                return v
+    return last
+
+
+@njit(cache=True)
+def _in_candidates(mass, total, draft_id, max_candidate_len, verify_top_p):
+    # Rank of the draft in p (ties -> lowest id first) and the mass ranked above it; O(vocab).
+    p_draft = mass[draft_id]
+    if p_draft <= 0.0:
+        return False
+    rank = 0
+    above = 0.0
+    for v in range(mass.shape[0]):
+        if mass[v] > p_draft or (mass[v] == p_draft and v < draft_id):
+            rank += 1
+            above += mass[v]
+    return rank < max_candidate_len and above < verify_top_p * total
+
+
+@njit(cache=True)
+def _plain_token(row, is_greedy, temperature, top_k, top_p, mass, u):
+    # The token decoding without speculation would emit here: the bonus, or REJECT_ALL's token.
+    if is_greedy:
+        return argmax(row)
+    return sample(mass, target_mass(row, temperature, top_k, top_p, mass), u)
+
+
+@njit(cache=True)
+def _verify_request(logits, row0, num_drafts, draft_ids, draft0, draft_probs, has_q, temperature,
+                    top_p, top_k, strategy, policy, uniforms, max_candidate_len, verify_top_p,
+                    out_token_ids):
+    """Verify one request's drafts (rows row0 .. row0 + num_drafts); returns num_accepted."""
+    vocab = logits.shape[1]
+    mass = np.empty(vocab, dtype=np.float64)  # unnormalised p of the current row
+    no_q = np.zeros(1, dtype=np.float32)
+    is_greedy = strategy == GREEDY or temperature == 0.0
+    for i in range(num_drafts):
+        row = row0 + i
+        x = draft_ids[draft0 + i]
+        if policy == ACCEPT_ALL:
+            out_token_ids[row] = x
+            continue
+        if policy == REJECT_ALL:
+            out_token_ids[row] = _plain_token(logits[row], is_greedy, temperature, top_k, top_p,
+                                              mass, uniforms[row, _SAMPLE])
+            return 0
+        if is_greedy:
+            y = argmax(logits[row])
+            if y != x:
+                out_token_ids[row] = y  # recovered
+                return i
+            out_token_ids[row] = x
+            continue
+        total = target_mass(logits[row], temperature, top_k, top_p, mass)
+        u_sample = uniforms[row, _SAMPLE]
+        if strategy == TARGET_MATCH:
+            y = sample(mass, total, u_sample)
+            if y != x:
+                out_token_ids[row] = y  # recovered: a plain sample of p
+                return i
+        elif strategy == TOPP:
+            if not _in_candidates(mass, total, x, max_candidate_len, verify_top_p):
+                out_token_ids[row] = sample(mass, total, u_sample)
+                return i
+        else:  # REJECTION: accept iff u * q(x) < p(x), i.e. with probability min(1, p(x)/q(x))
+            q_row = draft_probs[draft0 + i] if has_q else no_q
+            q_x = q_row[x] if has_q else 1.0
+            if not uniforms[row, _ACCEPT] * q_x < mass[x] / total:
+                out_token_ids[row] = _sample_residual(mass, total, q_row, has_q, x, u_sample)
+                return i
+        out_token_ids[row] = x
+    row = row0 + num_drafts  # every draft accepted: the bonus comes from the last row
+    out_token_ids[row] = _plain_token(logits[row], is_greedy, temperature, top_k, top_p, mass,
+                                      uniforms[row, _SAMPLE])
+    return num_drafts
+
+
+@njit(cache=True)
+def _verify_slot(r, logits, cu_rows, draft_ids, draft_probs, has_draft_probs, temperature, top_p,
+                 top_k, strategy, policy, uniforms, max_candidate_len, verify_top_p,
+                 out_token_ids, out_num_accepted):
+    row0 = cu_rows[r]
+    num_drafts = cu_rows[r + 1] - row0 - 1
+    draft0 = row0 - r  # request r's drafts start after the r earlier requests' drafts
+    out_num_accepted[r] = _verify_request(
+        logits, row0, num_drafts, draft_ids, draft0, draft_probs, has_draft_probs[r],
+        np.float64(temperature[r]), np.float64(top_p[r]), top_k[r], strategy[r], policy,
+        uniforms, max_candidate_len, verify_top_p, out_token_ids)
+
+
+# Each request owns its rows, drafts and outputs, so requests run independently. A parallel
+# region costs tens of microseconds to start (milliseconds when another process holds a core),
+# so small batches run serially.
+@njit(cache=True)
+def verify_serial(*args):
+    for r in range(args[1].shape[0] - 1):
+        _verify_slot(r, *args)
+
+
+@njit(parallel=True, cache=True)
+def verify_parallel(*args):
+    for r in prange(args[1].shape[0] - 1):
+        _verify_slot(r, *args)

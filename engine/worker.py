@@ -1,0 +1,219 @@
+"""`speculant engine`: one engine worker driving an LLMEngine from a ZeroMQ DEALER socket.
+
+The loop reads top to bottom: receive (add / abort) -> engine.step() -> send outputs
+-> heartbeat. It blocks only while idle, never on a send (NOBLOCK; a full queue drops
+the message with a log line). The gateway may start before or after us and may
+restart: ZeroMQ reconnects the DEALER, and a GatewayHello makes us drop requests the
+new gateway does not know and introduce ourselves again with Ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+
+import msgspec
+import zmq
+
+from engine import protocol
+from engine.errors import InvalidRequest
+
+log = logging.getLogger("speculant.worker")
+
+HEARTBEAT_INTERVAL = 0.5  # seconds, also while busy; the gateway drops a worker after ~5 s of silence
+HWM = 100_000  # messages queued per direction before a send is dropped
+LINGER_MS = 1000  # how long close() may wait to deliver the final Goodbye
+MAX_MESSAGES_PER_DRAIN = 1024  # keep stepping under a flood of requests
+SLOW_STEP = 1.0  # seconds; longer steps are logged
+CUMULATIVE_STATS = ("num_preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                    "prefix_cache_hits", "prefix_cache_queries")
+
+
+class Worker:
+    def __init__(self, engine, endpoint: str, worker_id: str):
+        self.engine = engine
+        self.worker_id = worker_id
+        self.is_stopping = False
+        self.arrivals: dict[str, float] = {}  # request id -> monotonic arrival, until its first token
+        self.baseline = engine.stats()  # counters report work since Ready (not the warm-up)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.setsockopt(zmq.SNDHWM, HWM)
+        self.sock.setsockopt(zmq.RCVHWM, HWM)
+        self.sock.connect(endpoint)
+        log.info("worker %s connecting to %s", worker_id, endpoint)
+
+    def run(self) -> None:
+        self.send(self.ready())
+        next_heartbeat = 0.0
+        while not self.is_stopping:
+            idle_ms = 0 if self.engine.has_unfinished() else max(0, int((next_heartbeat - time.monotonic()) * 1000))
+            self.receive(idle_ms)
+            if self.engine.has_unfinished():
+                self.step()
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self.send(protocol.Heartbeat(worker_id=self.worker_id, stats=self.stats()))
+                next_heartbeat = now + HEARTBEAT_INTERVAL
+        self.shutdown()
+
+    # ------------------------------------------------------------ receive
+
+    def receive(self, timeout_ms: int) -> None:
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return
+        for _ in range(MAX_MESSAGES_PER_DRAIN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(frames)
+
+    def handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            log.warning("dropping a message with %d frames (expected 1)", len(frames))
+            return
+        try:
+            msg = protocol.worker_decoder.decode(frames[0])
+        except msgspec.DecodeError as exc:
+            log.warning("dropping an undecodable message: %s", exc)
+            return
+        match msg:
+            case protocol.Generate():
+                self.add(msg)
+            case protocol.Abort(request_id=request_id):
+                self.abort(request_id)
+            case protocol.GatewayHello(gateway_id=gateway_id, live_request_ids=live):
+                stale = self.engine.request_ids() - set(live)
+                log.info("gateway %s says hello; aborting %d stale requests", gateway_id, len(stale))
+                for request_id in stale:
+                    self.abort(request_id)
+                self.send(self.ready())
+
+    def add(self, msg: protocol.Generate) -> None:
+        if self.is_stopping:
+            self.refuse(msg.request_id, 503, "The engine worker is shutting down.", code="worker_stopping")
+            return
+        try:
+            self.engine.add_request(msg)
+        except InvalidRequest as exc:
+            self.refuse(msg.request_id, 400, exc.message, param=exc.param, code=exc.code)
+            return
+        except Exception as exc:  # an engine bug must cost one request, not the worker
+            log.exception("add_request %s failed", msg.request_id)
+            self.refuse(msg.request_id, 500, f"The engine could not accept the request: {exc}")
+            return
+        self.arrivals[msg.request_id] = time.monotonic()
+
+    def abort(self, request_id: str) -> None:
+        self.arrivals.pop(request_id, None)
+        if request_id in self.engine.request_ids():
+            self.engine.abort_request(request_id)
+
+    def refuse(self, request_id: str, status: int, message: str, param=None, code=None) -> None:
+        error_type = "invalid_request_error" if status < 500 else "server_error"
+        self.send(protocol.RequestError(request_id=request_id, message=message, status=status,
+                                        error_type=error_type, param=param, code=code))
+
+    # ------------------------------------------------------------ step and send
+
+    def step(self) -> None:
+        step_start = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # fail what is running, keep serving
+            log.exception("engine step failed; failing all running requests")
+            for request_id in self.engine.request_ids():
+                self.abort(request_id)
+                self.refuse(request_id, 500, f"The engine step failed: {exc}", code="engine_error")
+            return
+        step_time = time.monotonic() - step_start
+        if step_time > SLOW_STEP:
+            log.warning("one engine step took %.1f s; heartbeats wait for it (gateway timeout: "
+                        "SPECULANT_WORKER_TIMEOUT)", step_time)
+        if outputs:
+            self.send(protocol.Outputs(items=[self.stamp(out, step_start) for out in outputs]))
+
+    def stamp(self, out: protocol.Output, step_start: float) -> protocol.Output:
+        """Adds queue time to a request's first output: arrival -> start of the step that produced it.
+
+        NOTE: a prompt prefilled in several chunks counts its earlier chunks as queue time.
+        """
+        if out.finish_reason is not None or out.token_ids:
+            arrival = self.arrivals.pop(out.request_id, None)
+            if arrival is not None and out.queue_time is None:
+                return msgspec.structs.replace(out, queue_time=max(0.0, step_start - arrival))
+        return out
+
+    def send(self, msg: msgspec.Struct) -> None:
+        try:
+            self.sock.send(protocol.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("send queue full: dropping %s", type(msg).__name__)
+
+    def ready(self) -> protocol.Ready:
+        e = self.engine
+        return protocol.Ready(worker_id=self.worker_id, model=e.model_name, max_model_len=e.max_model_len,
+                              pid=os.getpid(), speculative_method=e.spec_method,
+                              num_speculative_tokens=e.num_speculative_tokens)
+
+    def stats(self) -> protocol.WorkerStats:
+        stats, base = self.engine.stats(), self.baseline
+        since_ready = {name: getattr(stats, name) - getattr(base, name) for name in CUMULATIVE_STATS}
+        per_pos = [n - (base.accepted_per_pos[i] if i < len(base.accepted_per_pos) else 0)
+                   for i, n in enumerate(stats.accepted_per_pos)]
+        return msgspec.structs.replace(stats, accepted_per_pos=per_pos, **since_ready)
+
+    def shutdown(self) -> None:
+        """Goodbye first (the gateway ends our requests with an error event), then free everything."""
+        request_ids = self.engine.request_ids()
+        log.info("worker %s stopping; aborting %d requests", self.worker_id, len(request_ids))
+        self.send(protocol.Goodbye(worker_id=self.worker_id, reason="shutdown"))
+        for request_id in request_ids:
+            self.abort(request_id)
+        self.sock.close(linger=LINGER_MS)
+        self.ctx.term()
+
+
+def warm_up(engine) -> None:
+    """One short request through prefill, decode and drafting before Ready.
+
+    JIT compilation then happens here, not inside the first user's request, and no
+    step of a real request runs long enough to miss the gateway's heartbeat timeout.
+    """
+    start = time.monotonic()
+    params = protocol.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request(protocol.Generate(request_id="warmup", params=params, prompt="one two one two one two one"))
+    while engine.has_unfinished():
+        engine.step()
+    log.info("warm-up done in %.1f s", time.monotonic() - start)
+
+
+def main(args) -> int:
+    logging.basicConfig(level=os.environ.get("SPECULANT_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    endpoint = args.endpoint or os.environ.get("SPECULANT_ENGINE_ENDPOINT") or protocol.DEFAULT_ENDPOINT
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    from engine.llm_engine import LLMEngine  # heavy (numba); only the engine process pays for it
+
+    try:
+        engine = LLMEngine.from_args(args)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
+    warm_up(engine)
+    worker = Worker(engine, endpoint, worker_id)
+
+    def stop(signum, frame) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        worker.is_stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker.run()
+    return 0

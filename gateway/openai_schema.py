@@ -1,0 +1,123 @@
+"""OpenAI request bodies as msgspec Structs, decoded straight from the HTTP bytes.
+
+msgspec does the type checks; `gateway.validation` does the range checks. Unknown
+fields are ignored (as vLLM does) so that clients sending extra keys keep working;
+fields we cannot honour are declared here so that a non-default value gets a 400.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from gateway.errors import bad_request
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class SpeculativeOptions(msgspec.Struct, kw_only=True):
+    """llama.cpp-style per-request speculation cap: `{"n_max": 0}` turns speculation off."""
+
+    n_max: int | None = None
+
+
+class SpeculantOptions(msgspec.Struct, kw_only=True):
+    provenance: bool = False  # per-token "drafted vs target" flags on the stream
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+
+
+class SamplingRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    speculative: SpeculativeOptions | None = None
+    speculative_n_max: int | None = msgspec.field(name="speculative.n_max", default=None)
+    speculant: SpeculantOptions | None = None
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    prompt: Any = None  # str | [str] | [int] | [[int]]: checked by hand (msgspec allows one array type per union)
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+
+
+_completion_decoder = msgspec.json.Decoder(CompletionRequest)
+_chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING_RE = re.compile(r"missing required field `([^`]+)`")
+
+
+def decode_completion(body: bytes) -> CompletionRequest:
+    return _decode(_completion_decoder, body)
+
+
+def decode_chat(body: bytes) -> ChatCompletionRequest:
+    return _decode(_chat_decoder, body)
+
+
+def _decode(decoder: msgspec.json.Decoder, body: bytes):
+    if not body.strip():
+        raise bad_request("The request body is empty; send a JSON object.", None, code="invalid_json")
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"Invalid request: {exc}", param_from_error(str(exc)), code="invalid_type") from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", None, code="invalid_json") from None
+
+
+def param_from_error(message: str) -> str | None:
+    """The field a msgspec error points at, in OpenAI's dotted form (`messages[0].role`)."""
+    path_match = _PATH_RE.search(message)
+    path = path_match.group(1) if path_match else ""
+    missing = _MISSING_RE.search(message)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+

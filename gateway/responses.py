@@ -1,0 +1,143 @@
+"""OpenAI response bodies and stream chunks built from engine `Output`s.
+
+One `ResponseBuilder` per request: it turns each engine output into a chunk
+(streaming) and also accumulates the whole answer (non-streaming).
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine import protocol
+from gateway.validation import RequestOptions
+
+
+class ResponseBuilder:
+    def __init__(self, request_id: str, model: str, opts: RequestOptions):
+        self.request_id = request_id
+        self.model = model
+        self.opts = opts
+        self.created = int(time.time())
+        self.is_chat = opts.kind == "chat"
+        self.object = "chat.completion" if self.is_chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if self.is_chat else "text_completion"
+        self.text_parts: list[str] = []
+        self.num_token_chars = 0  # completions logprobs: text_offset runs over the whole answer
+        self.logprob_items: list[protocol.TokenLogprob] = []
+        self.token_ids: list[int] = []
+        self.drafted: list[bool] = []
+        self.finish_reason: str | None = None
+        self.last: protocol.Output | None = None
+
+    # ------------------------------------------------------------ streaming
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.request_id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def role_chunk(self) -> dict:
+        """Chat streams open with the assistant role and empty content, as OpenAI and vLLM do."""
+        delta = {"role": "assistant", "content": ""}
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def chunk(self, out: protocol.Output) -> dict | None:
+        """The chunk for one engine output, or None when it carries nothing to show."""
+        offset = self.num_token_chars
+        self.add(out)
+        has_tokens = bool(out.token_ids)
+        if not (out.text or out.finish_reason or (has_tokens and (out.logprobs or self.opts.provenance))):
+            return None
+        logprobs = self._logprobs(out.logprobs or [], offset) if self.opts.logprobs is not None else None
+        if self.is_chat:
+            choice = {"index": 0, "delta": {"content": out.text} if out.text else {}}
+        else:
+            choice = {"index": 0, "text": out.text}
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = out.finish_reason
+        chunk = self._chunk([choice])
+        if self.opts.provenance:
+            chunk["speculant"] = {"token_ids": list(out.token_ids), "drafted": list(out.drafted or [])}
+        return chunk
+
+    def usage_chunk(self) -> dict:
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage()
+        return chunk
+
+    # ------------------------------------------------------------ whole answer
+
+    def add(self, out: protocol.Output) -> None:
+        self.text_parts.append(out.text)
+        self.logprob_items.extend(out.logprobs or [])
+        self.num_token_chars += sum(len(item.token) for item in out.logprobs or [])
+        self.token_ids.extend(out.token_ids)
+        self.drafted.extend(out.drafted or [])
+        self.finish_reason = out.finish_reason or self.finish_reason
+        self.last = out
+
+    def usage(self) -> dict:
+        last = self.last
+        prompt = last.prompt_tokens if last else 0
+        completion = last.completion_tokens if last else 0
+        num_drafts = last.num_drafts if last else 0
+        num_accepted = last.num_accepted_tokens if last else 0
+        speculative = {
+            "num_drafts": num_drafts,
+            "num_draft_tokens": last.num_draft_tokens if last else 0,
+            "num_accepted_tokens": num_accepted,
+            # vLLM's convention: the bonus/recovered token counts, so 1 + accepted per draft.
+            "mean_acceptance_length": round(1 + num_accepted / num_drafts, 4) if num_drafts else None,
+        }
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion, "speculative": speculative}
+
+    def response(self) -> dict:
+        text = "".join(self.text_parts)
+        logprobs = self._logprobs(self.logprob_items, 0) if self.opts.logprobs is not None else None
+        if self.is_chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = self.finish_reason
+        body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage()}
+        if self.opts.provenance:
+            body["speculant"] = {"token_ids": self.token_ids, "drafted": self.drafted}
+        return body
+
+    # ------------------------------------------------------------ logprobs
+
+    def _logprobs(self, items: list[protocol.TokenLogprob], text_offset: int) -> dict:
+        if self.is_chat:
+            return {"content": [_chat_logprob(item) for item in items], "refusal": None}
+        return _completion_logprobs(items, text_offset)
+
+
+def token_bytes(token: str) -> list[int]:
+    """UTF-8 bytes of a token; a partial character arrives as OpenAI's `bytes:\\xNN...` text."""
+    if token.startswith("bytes:"):
+        try:
+            return list(bytes.fromhex(token[len("bytes:"):].replace("\\x", "")))
+        except ValueError:  # ordinary text that happens to start with "bytes:"
+            pass
+    return list(token.encode())
+
+
+def _chat_logprob(item: protocol.TokenLogprob) -> dict:
+    top = [{"token": text, "logprob": lp, "bytes": token_bytes(text)} for _, text, lp in item.top]
+    return {"token": item.token, "logprob": item.logprob, "bytes": token_bytes(item.token), "top_logprobs": top}
+
+
+def _completion_logprobs(items: list[protocol.TokenLogprob], text_offset: int) -> dict:
+    """Legacy completions format; `text_offset` counts characters from the start of the answer."""
+    offsets = []
+    for item in items:
+        offsets.append(text_offset)
+        text_offset += len(item.token)
+    return {
+        "tokens": [item.token for item in items],
+        "token_logprobs": [item.logprob for item in items],
+        "top_logprobs": [{text: lp for _, text, lp in item.top} for item in items],
+        "text_offset": offsets,
+    }

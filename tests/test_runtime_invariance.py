@@ -1,0 +1,106 @@
+"""A request's logits are bit-identical however its tokens are batched (real SmolLM2 model).
+
+(a) one token per step vs T tokens per step, (b) alone vs inside a ragged batch with
+other requests, (c) however its prompt is split into prefill chunks. Speculative
+decoding is lossless only because of this.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.cpu_runner import ForwardBatch
+
+
+class Harness:
+    """Feeds runs of tokens for several requests through the runner, tracking their caches."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        cache = runner.cache
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
+        self.batch = ForwardBatch(cache)
+        self.tables: dict[str, list[int]] = {}
+        self.cached: dict[str, int] = {}
+
+    def step(self, runs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Append each request's run; returns logits for every appended token, per request."""
+        self.batch.clear()
+        for rid, run in runs.items():
+            table = self.tables.setdefault(rid, [])
+            n0 = self.cached.setdefault(rid, 0)
+            assert self.blocks.allocate(table, n0 + len(run))
+            self.batch.add(np.asarray(run, np.int32), n0, table, len(run))
+        logits = self.runner.forward(self.batch)
+        out, row = {}, 0
+        for rid, run in runs.items():
+            out[rid] = logits[row : row + len(run)].copy()
+            row += len(run)
+            self.cached[rid] += len(run)
+        return out
+
+    def release(self):
+        for table in self.tables.values():
+            self.blocks.free_blocks(table)
+
+
+def feed(runner, tokens: np.ndarray, chunks: list[int], others: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """Logits of every token of `tokens`, fed in the given chunk sizes, optionally beside other requests."""
+    h = Harness(runner)
+    others = others or {}
+    other_pos = dict.fromkeys(others, 0)
+    rows, pos = [], 0
+    for i, n in enumerate(chunks):
+        runs = {}
+        for j, (name, other) in enumerate(others.items()):
+            if j == len(others) // 2:
+                runs["me"] = tokens[pos : pos + n]  # "me" sits in the middle of the batch
+            k = 1 + (i + 2 * j) % 5  # other requests append ragged runs of 1..5 tokens
+            runs[name] = other[other_pos[name] : other_pos[name] + k]
+            other_pos[name] += k
+        runs.setdefault("me", tokens[pos : pos + n])
+        rows.append(h.step(runs)["me"])
+        pos += n
+    h.release()
+    assert pos == len(tokens)
+    return np.concatenate(rows)
+
+
+@pytest.fixture(scope="module")
+def tokens(runner):
+    rng = np.random.default_rng(1234)
+    return rng.integers(0, runner.config.vocab_size, size=80).astype(np.int32)
+
+
+def split(total: int, sizes) -> list[int]:
+    out, i = [], 0
+    while sum(out) < total:
+        out.append(min(sizes[i % len(sizes)], total - sum(out)))
+        i += 1
+    return out
+
+
+def test_one_token_per_step_equals_t_tokens_per_step(runner, tokens):
+    prompt, tail = 48, len(tokens) - 48
+    reference = feed(runner, tokens, [prompt] + [1] * tail)
+    for t in (2, 3, 4, 8, 16):
+        got = feed(runner, tokens, [prompt] + split(tail, [t]))
+        assert np.array_equal(got, reference), f"T={t} changed the logits"
+
+
+def test_alone_equals_inside_a_ragged_batch(runner, tokens):
+    rng = np.random.default_rng(7)
+    others = {f"other{i}": rng.integers(0, runner.config.vocab_size, 300).astype(np.int32) for i in range(3)}
+    chunks = [48] + split(len(tokens) - 48, [1, 4, 2, 8])
+    alone = feed(runner, tokens, chunks)
+    batched = feed(runner, tokens, chunks, others)
+    assert np.array_equal(alone, batched)
+
+
+@pytest.mark.parametrize("sizes", [[7], [16, 3], [1, 30, 5], [64]])
+def test_prefill_chunking_does_not_change_logits(runner, tokens, sizes):
+    whole = feed(runner, tokens, [len(tokens)])
+    chunked = feed(runner, tokens, split(len(tokens), sizes))
+    assert np.array_equal(whole, chunked)

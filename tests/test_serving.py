@@ -1,0 +1,352 @@
+"""End to end: real gateway and engine processes, the real model, the openai client.
+
+One gateway + worker serve most tests; a second worker joins only for the
+load-sharing / kill test, and honcho starts its own pair from the Procfile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 512
+MAX_PENDING = 8
+# One compute thread per worker: two workers must not oversubscribe a small CI machine.
+ENGINE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.05", "--max-num-seqs", "16",
+               "--threads", "1", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
+START_TIMEOUT = 300  # s: model load + JIT warm-up on a cold cache
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}  # outlives any test step
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Subprocesses of one test session, their logs, and small HTTP helpers."""
+
+    def __init__(self, tmp: pathlib.Path, model_path: pathlib.Path):
+        self.tmp, self.model_path = tmp, model_path
+        self.port, self.zmq_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                    "PYTHONUNBUFFERED": "1", "SPECULANT_PORT": str(self.port),
+                    "SPECULANT_ENGINE_ENDPOINT": f"tcp://127.0.0.1:{self.zmq_port}",
+                    "SPECULANT_MAX_PENDING": str(MAX_PENDING)}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.killed: set[str] = set()  # killed on purpose by a test
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        with open(self.tmp / f"{name}.log", "wb") as log:  # the child keeps its own copy of the fd
+            proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], env=self.env, cwd=REPO,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_worker(self, worker_id: str) -> subprocess.Popen:
+        return self.start(worker_id, "engine", "--model", str(self.model_path), "--worker-id", worker_id, *ENGINE_ARGS)
+
+    def kill(self, name: str) -> None:
+        self.killed.add(name)
+        self.procs[name].kill()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
+
+    def wait_workers(self, num_workers: int) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                assert name in self.killed or proc.poll() is None, f"{name} exited early\n{self.logs()}"
+            try:
+                status, body, _ = http(f"{self.url}/health")
+            except OSError:  # not listening yet
+                status = None
+            if status == 200 and body["workers"] == num_workers:
+                return
+            time.sleep(0.5)
+        pytest.fail(f"no {num_workers} ready workers after {START_TIMEOUT} s\n{self.logs()}")
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        _, text, _ = http(f"{self.url}/metrics")
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == name and labels.items() <= s.labels.items())
+
+    def wait_idle(self, timeout: float = 20) -> None:
+        """Running requests and KV usage back to 0 (both come from worker heartbeats)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.metric("speculant:num_requests_running") == 0 and self.metric("speculant:kv_cache_usage_perc") == 0:
+                return
+            time.sleep(0.2)
+        pytest.fail(f"engine not idle after {timeout} s\n{self.logs()}")
+
+
+def http(url: str, body: dict | None = None):
+    """(status, parsed JSON or text, headers) without raising on 4xx/5xx."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            status, raw, headers = resp.status, resp.read(), resp.headers
+    except urllib.error.HTTPError as err:
+        status, raw, headers = err.code, err.read(), err.headers
+    is_json = headers.get("Content-Type", "").startswith("application/json")
+    return status, json.loads(raw) if is_json else raw.decode(), headers
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, model_path):
+    c = Cluster(tmp_path_factory.mktemp("serving"), model_path)
+    c.start("gateway", "gateway")
+    c.start_worker("w1")
+    try:
+        c.wait_workers(1)
+        yield c
+    finally:
+        c.stop_all()
+
+
+@pytest.fixture(scope="session")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def model(client):
+    (entry,) = client.models.list().data
+    return entry.id
+
+
+def test_chat_stream_equals_non_stream(client, model, tokenizer):
+    messages = [{"role": "user", "content": "List three colors."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("chatcmpl-")
+    assert [c.choices[0].finish_reason for c in chunks[1:-1] if c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.model_dump() == full.usage.model_dump()
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, True))
+    assert usage.prompt_tokens == len(prompt_ids)
+    content = full.choices[0].logprobs.content
+    assert usage.completion_tokens == len(content)  # one logprob entry per generated token
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    if full.choices[0].finish_reason == "length":
+        assert usage.completion_tokens == 24
+    assert set(usage.model_extra["speculative"]) >= {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}
+
+
+def test_completion_stream_equals_non_stream(client, model, tokenizer):
+    prompt = "The capital of France is"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, logprobs=1)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"speculant": {"provenance": True}}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and text
+    assert all(c.object == "text_completion" and c.id.startswith("cmpl-") for c in chunks)
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(tokenizer.encode(prompt)) == full.usage.prompt_tokens
+    assert usage.completion_tokens == len(full.choices[0].logprobs.tokens) == full.usage.completion_tokens
+    token_ids = [t for c in chunks if c.choices for t in c.model_extra["speculant"]["token_ids"]]
+    drafted = [d for c in chunks if c.choices for d in c.model_extra["speculant"]["drafted"]]
+    assert len(token_ids) == len(drafted) == usage.completion_tokens
+    if full.choices[0].finish_reason == "length":
+        assert tokenizer.decode(token_ids) == text
+
+
+def test_speculation_stats_reach_usage_and_metrics(cluster, client, model):
+    drafts_before = cluster.metric("speculant:spec_decode_num_drafts_total")
+    prompt = "Repeat this line ten times: red green blue red green blue red green blue"
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0)
+    spec = reply.usage.model_extra["speculative"]
+    assert spec["num_drafts"] > 0, spec  # n-gram drafts on a repetitive prompt
+    assert 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"],
+                                                           abs=1e-3)
+    deadline = time.monotonic() + 10  # the counters follow the next worker heartbeat
+    while cluster.metric("speculant:spec_decode_num_drafts_total") - drafts_before < spec["num_drafts"]:
+        assert time.monotonic() < deadline, "spec counters did not follow the worker's stats"
+        time.sleep(0.2)
+    off = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0,
+                                    extra_body={"speculative": {"n_max": 0}})
+    assert off.usage.model_extra["speculative"]["num_drafts"] == 0  # per-request cap 0 turns drafting off
+    assert off.choices[0].text == reply.choices[0].text  # greedy speculation is lossless
+
+
+async def read_events(resp: aiohttp.ClientResponse, count: int) -> list[dict]:
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+            if len(events) == count:
+                break
+    return events
+
+
+async def test_client_disconnect_aborts_the_request(cluster, model):
+    aborts = cluster.metric("speculant:request_success_total", finished_reason="abort")
+    tokens_before = cluster.metric("speculant:generation_tokens_total")
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{cluster.url}/v1/completions",
+                                  json={"model": model, "prompt": "Count to one hundred:", "stream": True, **LONG})
+        assert resp.status == 200
+        assert len(await read_events(resp, 2)) == 2
+        resp.close()  # drop the connection mid-stream
+    await asyncio.to_thread(cluster.wait_idle)
+    assert cluster.metric("speculant:request_success_total", finished_reason="abort") == aborts + 1
+    generated = cluster.metric("speculant:generation_tokens_total") - tokens_before
+    assert generated < LONG["max_tokens"]  # it stopped early: the worker aborted it
+
+
+def test_bad_inputs_get_4xx_while_serving(cluster, model):
+    url = f"{cluster.url}/v1/completions"
+    cases = [
+        ({"model": "no-such-model", "prompt": "a"}, 404, "model"),
+        ({"model": model, "prompt": "a", "max_tokens": MAX_MODEL_LEN + 1}, 400, "max_tokens"),
+        ({"model": model, "prompt": "word " * (2 * MAX_MODEL_LEN)}, 400, "prompt"),  # refused by the worker
+        ({"model": model, "prompt": "word " * (2 * MAX_MODEL_LEN), "stream": True}, 400, "prompt"),
+        ({"model": model, "prompt": [10**7]}, 400, "prompt"),
+    ]
+    for body, status, param in cases:
+        got, reply, _ = http(url, body)
+        assert (got, reply["error"]["param"]) == (status, param), reply
+    status, reply, _ = http(url, {"model": model, "prompt": "Hello", "max_tokens": 4})
+    assert status == 200 and reply["usage"]["completion_tokens"] >= 1
+
+
+async def test_queue_full_is_429(cluster, model):
+    body = {"model": model, "prompt": "Tell me a long story.", "stream": True, **LONG}
+    async with aiohttp.ClientSession() as session:
+        streams = [await session.post(f"{cluster.url}/v1/completions", json=body) for _ in range(MAX_PENDING)]
+        await asyncio.gather(*(read_events(s, 1) for s in streams))
+        async with session.post(f"{cluster.url}/v1/completions", json=body) as extra:
+            assert extra.status == 429 and extra.headers["Retry-After"] == "1"
+            assert (await extra.json())["error"]["code"] == "queue_full"
+        for s in streams:
+            s.close()
+    await asyncio.to_thread(cluster.wait_idle)
+
+
+async def consume(stream, first: asyncio.Event) -> str:
+    """How a stream ended: its finish_reason, or 'error' for an error event."""
+    finish = None
+    try:
+        async for chunk in stream:
+            first.set()
+            finish = chunk.choices[0].finish_reason or finish
+    except openai.APIError as exc:
+        assert "engine worker was lost" in exc.message
+        return "error"
+    return finish
+
+
+async def test_two_workers_share_load_and_a_killed_one_fails_only_its_requests(cluster, model):
+    cluster.start_worker("w2")
+    await asyncio.to_thread(cluster.wait_workers, 2)
+    client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+    firsts = [asyncio.Event() for _ in range(4)]
+    streams = [await client.completions.create(model=model, prompt=f"Story number {i}:", stream=True,
+                                               max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+               for i in range(4)]
+    tasks = [asyncio.create_task(consume(s, e)) for s, e in zip(streams, firsts)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
+    running = {w: cluster.metric("speculant:num_requests_running", engine=w) for w in ("w1", "w2")}
+    cluster.kill("w2")
+    endings = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+    assert sorted(endings) == ["error", "error", "length", "length"], (endings, running)
+    status, body, _ = http(f"{cluster.url}/health")
+    assert (status, body["workers"]) == (200, 1)
+    await client.close()
+
+
+def test_worker_rejoins_a_restarted_gateway(cluster, client, model):
+    """ZeroMQ reconnects the worker; the new gateway's hello makes it send Ready again."""
+    gateway = cluster.procs["gateway"]
+    gateway.send_signal(signal.SIGTERM)
+    assert gateway.wait(timeout=10) == 0
+    cluster.start("gateway", "gateway")
+    cluster.wait_workers(1)
+    reply = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens >= 1
+
+
+def test_honcho_runs_the_procfile(tmp_path, model_path):
+    port = free_port()
+    (tmp_path / ".env").write_text(
+        f"PYTHONUNBUFFERED=1\nSPECULANT_PORT={port}\nSPECULANT_ENGINE_ENDPOINT=tcp://127.0.0.1:{free_port()}\n"
+        f"SPECULANT_MODEL={model_path}\nSPECULANT_ENGINE_ARGS='{' '.join(ENGINE_ARGS)}'\n"
+        f"PYTHONPATH={REPO}\n")
+    env = dict(os.environ)
+    if shutil.which("speculant") is None:  # source checkout: the console script is not installed
+        (tmp_path / "bin").mkdir()
+        shim = tmp_path / "bin" / "speculant"
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m engine.cli "$@"\n')
+        shim.chmod(0o755)
+        env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
+    with open(tmp_path / "honcho.log", "wb") as log:
+        honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"),
+                                   "-d", str(REPO), "-e", str(tmp_path / ".env")],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while http_status(f"{url}/health") != 200:
+            assert honcho.poll() is None and time.monotonic() < deadline, (tmp_path / "honcho.log").read_text()
+            time.sleep(0.5)
+        status, body, _ = http(f"{url}/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+        assert status == 200 and body["choices"][0]["text"]
+    finally:
+        honcho.send_signal(signal.SIGTERM)
+        try:
+            honcho.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            honcho.kill()
+            pytest.fail("honcho did not stop within 15 s of SIGTERM")
+    text = (tmp_path / "honcho.log").read_text()
+    assert "gateway.1" in text and "engine.1" in text
+    assert "sending SIGKILL" not in text  # both processes stopped within honcho's 5 s
+
+
+def http_status(url: str) -> int | None:
+    try:
+        return http(url)[0]
+    except OSError:
+        return None
