@@ -7,21 +7,32 @@ imports numba and `speculant proposers` never loads a model.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
+def _env(flag: str, default):
+    """Default of --flag from $SPECULANT_FLAG (so honcho's .env can set every engine flag)."""
+    value = os.environ.get("SPECULANT_" + flag.upper().replace("-", "_"))
+    if value is None or value == "":
+        return default
+    return type(default)(value) if default is not None else value
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="GGUF path or a known name (default: smollm2-135m)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + output, in tokens")
-    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache budget in GiB")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one engine step")
-    p.add_argument("--threads", type=int, default=0, help="compute threads (0 = all cores)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="compute backend")
+    """Engine flags; each also reads $SPECULANT_<FLAG> (e.g. SPECULANT_SPECULATIVE_CONFIG)."""
+    p.add_argument("--model", default=_env("model", "smollm2-135m"), help="GGUF path or a known name (default: smollm2-135m)")
+    p.add_argument("--max-model-len", type=int, default=_env("max-model-len", 4096), help="longest prompt + output, in tokens")
+    p.add_argument("--kv-cache-memory", type=float, default=_env("kv-cache-memory", 1.0), help="KV cache budget in GiB")
+    p.add_argument("--block-size", type=int, default=_env("block-size", 16), help="tokens per KV cache block")
+    p.add_argument("--max-num-seqs", type=int, default=_env("max-num-seqs", 256), help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=_env("max-num-batched-tokens", 512),
+                   help="token budget of one engine step")
+    p.add_argument("--threads", type=int, default=_env("threads", 0), help="compute threads (0 = all cores)")
+    p.add_argument("--device", default=_env("device", "cpu"), choices=["cpu", "cuda", "auto"], help="compute backend")
     p.add_argument(
         "--speculative-config",
-        default=None,
+        default=_env("speculative-config", None),
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'',
     )
 

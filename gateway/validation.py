@@ -105,7 +105,7 @@ def _spec_cap(req: SamplingRequest) -> int | None:
 
 def _common_checks(req: SamplingRequest) -> None:
     """Fields we parse but cannot honour: a non-default value is a 400, never silently ignored."""
-    _unsupported(req.n in (None, 1), "n", "n > 1 is not supported; send one request per choice")
+    _unsupported(req.n in (None, 1), "n", "only n = 1 is supported; send one request per choice")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         _require(value is None or -2.0 <= value <= 2.0, name, f"{name} must be between -2 and 2")
@@ -133,7 +133,7 @@ def validate_completion(req: CompletionRequest) -> Validated:
     """Checks a completions body; returns the prompt fields of `Generate` and the options."""
     _common_checks(req)
     _unsupported(not req.echo, "echo", "echo is not supported")
-    _unsupported(req.best_of in (None, 1), "best_of", "best_of > 1 is not supported")
+    _unsupported(req.best_of in (None, 1), "best_of", "only best_of = 1 is supported")
     _unsupported(req.suffix is None, "suffix", "suffix is not supported")
     _require(req.logprobs is None or 0 <= req.logprobs <= MAX_LOGPROBS, "logprobs",
              f"logprobs must be an integer in 0..{MAX_LOGPROBS}")

@@ -170,3 +170,17 @@ def test_pip_installed_plugin_is_found_and_works(example_installed):
     assert drafts.token_ids[0].tolist() == [2, 3, 1]
     with pytest.raises(ValueError, match="speculative_config.min_count"):
         parse_speculative_config({"method": "bigram", "min_count": 0}, registry=registry)
+
+
+def test_engine_generates_with_the_pip_installed_plugin(example_installed, engine, make_engine):
+    """A third-party proposer serves through the unchanged engine, and greedy output stays lossless."""
+    from engine.generate import generate
+    from engine.protocol import SamplingParams
+
+    prompt = "one two three one two three one two three one two"
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plugin_engine = make_engine(speculative_config='{"method": "bigram", "num_speculative_tokens": 3}')
+    got = generate(plugin_engine, [prompt], params)[0]
+    assert plugin_engine.spec_method == "bigram"
+    assert got.num_draft_tokens > 0
+    assert got.token_ids == generate(engine, [prompt], params)[0].token_ids

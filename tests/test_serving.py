@@ -78,10 +78,7 @@ class Cluster:
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 assert name in self.killed or proc.poll() is None, f"{name} exited early\n{self.logs()}"
-            try:
-                status, body, _ = http(f"{self.url}/health")
-            except OSError:  # not listening yet
-                status = None
+            status, body, _ = http(f"{self.url}/health")
             if status == 200 and body["workers"] == num_workers:
                 return
             time.sleep(0.5)
@@ -114,7 +111,7 @@ class Cluster:
 
 
 def http(url: str, body: dict | None = None):
-    """(status, parsed JSON or text, headers) without raising on 4xx/5xx."""
+    """(status, parsed JSON or text, headers) without raising on 4xx/5xx; status None if nobody listens."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
@@ -122,6 +119,8 @@ def http(url: str, body: dict | None = None):
             status, raw, headers = resp.status, resp.read(), resp.headers
     except urllib.error.HTTPError as err:
         status, raw, headers = err.code, err.read(), err.headers
+    except urllib.error.URLError:
+        return None, None, {}
     is_json = headers.get("Content-Type", "").startswith("application/json")
     return status, json.loads(raw) if is_json else raw.decode(), headers
 
@@ -284,14 +283,14 @@ async def test_two_workers_share_load_and_a_killed_one_fails_only_its_requests(c
     client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
     firsts = [asyncio.Event() for _ in range(4)]
     streams = [await client.completions.create(model=model, prompt=f"Story number {i}:", stream=True,
-                                               max_tokens=120, temperature=0, extra_body={"ignore_eos": True})
+                                               max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
                for i in range(4)]
     tasks = [asyncio.create_task(consume(s, e)) for s, e in zip(streams, firsts)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 120)
-    running = {w: cluster.metric("speculant:num_requests_running", engine=w) for w in ("w1", "w2")}
     cluster.kill("w2")
     endings = await asyncio.wait_for(asyncio.gather(*tasks), 180)
-    assert sorted(endings) == ["error", "error", "length", "length"], (endings, running)
+    # Routing alternated (fewest in flight), so exactly the two requests on w2 fail.
+    assert sorted(endings) == ["error", "error", "length", "length"], endings
     status, body, _ = http(f"{cluster.url}/health")
     assert (status, body["workers"]) == (200, 1)
     await client.close()
@@ -328,7 +327,7 @@ def test_honcho_runs_the_procfile(tmp_path, model_path):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT
-        while http_status(f"{url}/health") != 200:
+        while http(f"{url}/health")[0] != 200:
             assert honcho.poll() is None and time.monotonic() < deadline, (tmp_path / "honcho.log").read_text()
             time.sleep(0.5)
         status, body, _ = http(f"{url}/v1/completions", {"prompt": "Hello", "max_tokens": 4})
@@ -344,9 +343,3 @@ def test_honcho_runs_the_procfile(tmp_path, model_path):
     assert "gateway.1" in text and "engine.1" in text
     assert "sending SIGKILL" not in text  # both processes stopped within honcho's 5 s
 
-
-def http_status(url: str) -> int | None:
-    try:
-        return http(url)[0]
-    except OSError:
-        return None
