@@ -10,18 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.cpu_runner import ForwardBatch
 
 
 class Harness:
     """Feeds runs of tokens for several requests through the runner, tracking their caches."""
 
-    def __init__(self, runner):
-        self.runner = runner
-        cache = runner.cache
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size)
-        self.batch = ForwardBatch(cache)
+    def __init__(self, engine):
+        # Blocks come from the engine's own manager: the runner's KV cache is shared with it, and
+        # writing blocks it believes hold a cached prefix would corrupt later requests.
+        self.runner = engine.runner
+        self.blocks = engine.scheduler.blocks
+        self.batch = ForwardBatch(self.runner.cache)
         self.tables: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
 
@@ -46,9 +46,9 @@ class Harness:
             self.blocks.free_blocks(table)
 
 
-def feed(runner, tokens: np.ndarray, chunks: list[int], others: dict[str, np.ndarray] | None = None) -> np.ndarray:
+def feed(engine, tokens: np.ndarray, chunks: list[int], others: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """Logits of every token of `tokens`, fed in the given chunk sizes, optionally beside other requests."""
-    h = Harness(runner)
+    h = Harness(engine)
     others = others or {}
     other_pos = dict.fromkeys(others, 0)
     rows, pos = [], 0
@@ -82,25 +82,25 @@ def split(total: int, sizes) -> list[int]:
     return out
 
 
-def test_one_token_per_step_equals_t_tokens_per_step(runner, tokens):
+def test_one_token_per_step_equals_t_tokens_per_step(engine, tokens):
     prompt, tail = 48, len(tokens) - 48
-    reference = feed(runner, tokens, [prompt] + [1] * tail)
+    reference = feed(engine, tokens, [prompt] + [1] * tail)
     for t in (2, 3, 4, 8, 16):
-        got = feed(runner, tokens, [prompt] + split(tail, [t]))
+        got = feed(engine, tokens, [prompt] + split(tail, [t]))
         assert np.array_equal(got, reference), f"T={t} changed the logits"
 
 
-def test_alone_equals_inside_a_ragged_batch(runner, tokens):
+def test_alone_equals_inside_a_ragged_batch(engine, runner, tokens):
     rng = np.random.default_rng(7)
     others = {f"other{i}": rng.integers(0, runner.config.vocab_size, 300).astype(np.int32) for i in range(3)}
     chunks = [48] + split(len(tokens) - 48, [1, 4, 2, 8])
-    alone = feed(runner, tokens, chunks)
-    batched = feed(runner, tokens, chunks, others)
+    alone = feed(engine, tokens, chunks)
+    batched = feed(engine, tokens, chunks, others)
     assert np.array_equal(alone, batched)
 
 
 @pytest.mark.parametrize("sizes", [[7], [16, 3], [1, 30, 5], [64]])
-def test_prefill_chunking_does_not_change_logits(runner, tokens, sizes):
-    whole = feed(runner, tokens, [len(tokens)])
-    chunked = feed(runner, tokens, split(len(tokens), sizes))
+def test_prefill_chunking_does_not_change_logits(engine, tokens, sizes):
+    whole = feed(engine, tokens, [len(tokens)])
+    chunked = feed(engine, tokens, split(len(tokens), sizes))
     assert np.array_equal(whole, chunked)

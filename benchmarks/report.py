@@ -1,0 +1,234 @@
+"""Results of `speculant bench spec`: derived rows, the printed table, spec.json, spec.md, plots.
+
+Every metric is derived from raw sums of a block (tokens, seconds, engine counters), so the
+"all" rows are the same formulas over summed raws, not averages of ratios.
+- AL (vLLM's mean acceptance length) = 1 + accepted / drafts, over verify steps that had drafts;
+- tok/step = output tokens / (request, step) pairs, over every step, drafts or not;
+- per-position acceptance[i] = steps whose draft i was accepted / steps with drafts;
+- speedup = tok/s / the baseline's tok/s on the same prompts in the same mode.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+COPY_HEAVY = ("code_edit",)
+REPEATED = ("agent_json",)
+_SUMMED = ("num_prompts", "output_tokens", "wall_s", "engine_steps", "request_steps", "num_drafts",
+           "num_draft_tokens", "num_accepted_tokens", "propose_s", "forward_s", "tpot_s_sum", "tpot_count")
+
+
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def _sum_raw(raws: list[dict]) -> dict:
+    out = {k: sum(r[k] for r in raws) for k in _SUMMED}
+    width = max((len(r["accepted_per_pos"]) for r in raws), default=0)
+    out["accepted_per_pos"] = [sum(r["accepted_per_pos"][i] for r in raws if i < len(r["accepted_per_pos"]))
+                               for i in range(width)]
+    out["token_ids"] = {k: v for r in raws for k, v in r["token_ids"].items()}
+    return out
+
+
+def derive(raw: dict, base: dict) -> dict:
+    """One row's metrics from its raw sums and the baseline's raw sums for the same prompts."""
+    steps = raw["engine_steps"]
+    tok_s = _ratio(raw["output_tokens"], raw["wall_s"])
+    base_tok_s = _ratio(base["output_tokens"], base["wall_s"])
+    mismatches = [{"prompt_id": pid, "first_diff": _first_diff(ids, base["token_ids"].get(pid, []))}
+                  for pid, ids in raw["token_ids"].items() if ids != base["token_ids"].get(pid)]
+    num_drafts = raw["num_drafts"]
+    return {
+        "al": 1 + raw["num_accepted_tokens"] / num_drafts if num_drafts else None,
+        "tokens_per_step": _ratio(raw["output_tokens"], raw["request_steps"]),
+        "draft_acceptance_rate": _ratio(raw["num_accepted_tokens"], raw["num_draft_tokens"]),
+        "acceptance_per_pos": [x / num_drafts for x in raw["accepted_per_pos"]] if num_drafts else [],
+        "tok_s": tok_s,
+        "speedup": _ratio(tok_s, base_tok_s) if tok_s is not None else None,
+        "tpot_ms": 1000 * raw["tpot_s_sum"] / raw["tpot_count"] if raw["tpot_count"] else None,
+        "identical": len(mismatches) == 0,
+        "num_identical": raw["num_prompts"] - len(mismatches),
+        "mismatches": mismatches,
+        "forward_ms_per_step": _ms(raw["forward_s"], steps),
+        "propose_ms_per_step": _ms(raw["propose_s"], steps),
+        "other_ms_per_step": _ms(raw["wall_s"] - raw["forward_s"] - raw["propose_s"], steps),
+        "proposer_share": _ratio(raw["propose_s"], raw["wall_s"]),
+        **{k: raw[k] for k in _SUMMED if k not in ("tpot_s_sum", "tpot_count")},
+        "accepted_per_pos": raw["accepted_per_pos"],
+    }
+
+
+def _ms(seconds: float, steps: int):
+    return 1000 * seconds / steps if steps else None
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def make_rows(raw: dict, baseline: str, modes: list[str], categories: list[str], labels: list[str]) -> list[dict]:
+    """raw[(mode, category, label)] -> rows for every (mode, category or "all", method)."""
+    rows = []
+    for mode in modes:
+        for cat in [*categories, "all"]:
+            cats = categories if cat == "all" else [cat]
+            base = _sum_raw([raw[(mode, c, baseline)] for c in cats])
+            for label in labels:
+                row = derive(_sum_raw([raw[(mode, c, label)] for c in cats]), base)
+                rows.append({"mode": mode, "category": cat, "method": label, **row})
+    return rows
+
+
+# ---------------------------------------------------------------- targets
+
+
+def targets(result: dict) -> list[dict]:
+    """The project's goals, checked (reported, never asserted)."""
+    rows, out = result["rows"], []
+    spec_rows = [r for r in rows if r["method"] != result["baseline"] and result["methods"][r["method"]]
+                 and result["methods"][r["method"]]["method"] != "naive"]
+    for cat in COPY_HEAVY:
+        cands = [r for r in spec_rows if r["category"] == cat and r["mode"] == "batch1"]
+        if cands:
+            best = max(cands, key=lambda r: r["speedup"] or 0)
+            out.append(_target(f">= 2x on {cat} at batch 1", (best["speedup"] or 0) >= 2.0,
+                               f"best: {best['method']} {_f(best['speedup'])}x"))
+    chat = [r for r in spec_rows if r["category"] == "open_chat"]
+    if chat:
+        worst = min(chat, key=lambda r: r["speedup"] or 0)
+        out.append(_target("never below 0.95x on open_chat", (worst["speedup"] or 0) >= 0.95,
+                           f"worst: {worst['method']} ({worst['mode']}) {_f(worst['speedup'])}x"))
+    by_key = {(r["mode"], r["category"], r["method"]): r for r in rows}
+    for cat in REPEATED:
+        for mode in result["config"]["modes"]:
+            s, n = by_key.get((mode, cat, "suffix")), by_key.get((mode, cat, "ngram"))
+            if s and n:
+                out.append(_target(f"suffix >= ngram on {cat} ({mode})", (s["tok_s"] or 0) >= (n["tok_s"] or 0),
+                                   f"suffix {_f(s['tok_s'], '{:.1f}')} vs ngram {_f(n['tok_s'], '{:.1f}')} tok/s "
+                                   f"(AL {_f(s['al'])} vs {_f(n['al'])})"))
+    lossless = all(r["identical"] for r in rows)
+    out.append(_target("greedy outputs identical to the baseline", lossless,
+                       "all rows" if lossless else "see the identical column"))
+    return out
+
+
+def _target(name: str, met: bool, detail: str) -> dict:
+    return {"target": name, "met": bool(met), "detail": detail}
+
+
+# ---------------------------------------------------------------- text
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+COLUMNS = [("category", "{}"), ("method", "{}"), ("AL", "al"), ("tok/step", "tokens_per_step"),
+           ("accept", "draft_acceptance_rate"), ("tok/s", "tok_s"), ("speedup", "speedup"),
+           ("identical", "identical"), ("propose ms/step", "propose_ms_per_step")]
+
+
+def _cells(row: dict) -> list[str]:
+    ident = "yes" if row["identical"] else f"NO {row['num_identical']}/{row['num_prompts']}"
+    return [row["category"], row["method"], _f(row["al"]), _f(row["tokens_per_step"]),
+            _f(row["draft_acceptance_rate"], "{:.0%}"), _f(row["tok_s"], "{:.1f}"),
+            _f(row["speedup"], "{:.2f}x"), ident, _f(row["propose_ms_per_step"], "{:.3f}")]
+
+
+def _mode_title(result: dict, mode: str) -> str:
+    n = result["config"]["modes"][mode]
+    return f"{mode}: " + ("one request at a time" if n == 1 else f"up to {n} requests of a category at once")
+
+
+def format_table(result: dict) -> str:
+    """The method x category table per mode, fixed width, for the terminal."""
+    head = [c for c, _ in COLUMNS]
+    lines = []
+    for mode in result["config"]["modes"]:
+        body = [_cells(r) for r in result["rows"] if r["mode"] == mode]
+        widths = [max(len(x) for x in col) for col in zip(head, *body)]
+        lines += ["", _mode_title(result, mode), "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)) for cells in body]
+    lines += ["", "targets:"] + [f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['detail']}"
+                                 for t in targets(result)]
+    return "\n".join(lines)
+
+
+def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
+
+
+def format_markdown(result: dict) -> str:
+    cfg = result["config"]
+    lines = ["# speculant bench spec", "",
+             f"model `{cfg.get('model', '?')}`, greedy, max_tokens {cfg['max_tokens']}, repeats {cfg['repeats']}, "
+             f"machine {cfg['machine']}, load avg before {cfg.get('load_avg_1m_before', '?')}", ""]
+    lines += [f"- `{label}`: {json.dumps(spec) if spec else 'no speculation (baseline)'}"
+              for label, spec in result["methods"].items()]
+    lines += ["", "## Targets", ""] + [f"- {'met' if t['met'] else '**NOT met**'}: {t['target']} ({t['detail']})"
+                                       for t in targets(result)]
+    for mode in cfg["modes"]:
+        rows = [r for r in result["rows"] if r["mode"] == mode]
+        lines += ["", f"## {_mode_title(result, mode)}", ""]
+        lines += _md_table([c for c, _ in COLUMNS], [_cells(r) for r in rows])
+        lines += ["", "Per-position acceptance and where a step's time goes (ms per engine step):", ""]
+        lines += _md_table(["category", "method", "acceptance per position", "forward", "propose", "other", "TPOT ms"],
+                           [[r["category"], r["method"], " ".join(f"{x:.2f}" for x in r["acceptance_per_pos"]) or "-",
+                             _f(r["forward_ms_per_step"]), _f(r["propose_ms_per_step"], "{:.3f}"),
+                             _f(r["other_ms_per_step"]), _f(r["tpot_ms"])] for r in rows])
+    return "\n".join(lines) + "\n"
+
+
+def write_all(result: dict, out_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """spec.json, spec.md, and the two plots when matplotlib is importable."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {**result, "targets": targets(result)}
+    (out / "spec.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "spec.md").write_text(format_markdown(result))
+    return [out / "spec.json", out / "spec.md", *write_plots(result, out)]
+
+
+def write_plots(result: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    modes = list(result["config"]["modes"])
+    methods = list(result["methods"])
+    cats = list(dict.fromkeys(r["category"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    width = 0.8 / len(methods)
+    for ax, mode in zip(axes[0], modes):
+        for j, m in enumerate(methods):
+            vals = [next(r["speedup"] or 0 for r in result["rows"] if (r["mode"], r["category"], r["method"]) == (mode, c, m))
+                    for c in cats]
+            ax.bar([i + j * width for i in range(len(cats))], vals, width, label=m)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
+        ax.set_title(f"speedup over no speculation ({mode})")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "spec_speedup.png", dpi=110)
+    fig2, axes2 = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes2[0], modes):
+        for r in result["rows"]:
+            if r["mode"] == mode and r["category"] == "all" and r["acceptance_per_pos"]:
+                ax.plot(range(1, len(r["acceptance_per_pos"]) + 1), r["acceptance_per_pos"], marker="o", label=r["method"])
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"acceptance per position, all categories ({mode})")
+        ax.legend(fontsize=8)
+    fig2.tight_layout()
+    fig2.savefig(out / "spec_acceptance_per_pos.png", dpi=110)
+    plt.close(fig)
+    plt.close(fig2)
+    return [out / "spec_speedup.png", out / "spec_acceptance_per_pos.png"]

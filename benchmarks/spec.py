@@ -1,0 +1,253 @@
+"""`speculant bench spec`: what speculative decoding buys on this machine, per method and workload.
+
+    speculant bench spec --max-tokens 96 --methods none,ngram,suffix --concurrency 4 --out results/
+
+For every method (always with `none`, plain decoding, as the baseline) and prompt category it
+runs greedy generation at batch 1 (prompts one at a time) and under concurrency (the category's
+prompts submitted together, `--concurrency` at a time), and reports the mean acceptance length
+(vLLM's AL = 1 + accepted / drafts, over verify steps that had drafts), per-position acceptance,
+output tokens/s, the speedup over the baseline on the same prompts, whether the output tokens
+equal the baseline's (greedy speculation must be lossless), and where a step's time goes
+(forward, proposer, the rest of the Python step).
+
+Fairness: one engine per method, built once; every engine is warmed up on every prompt first
+(JIT compiled, prompt KV in the prefix cache), the methods run interleaved per category, and
+each block starts from a fresh proposer, so a suffix cache only holds responses of the same
+block (cross-request reuse inside a category, nothing from earlier blocks or repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from types import SimpleNamespace
+
+import numpy as np
+
+from benchmarks import report
+from benchmarks.prompts import BenchPrompt, builtin_prompts, by_category, load_prompts, select
+from benchmarks.spec_timing import block_raw, instrument, reset_proposer
+from engine.protocol import Generate, SamplingParams
+
+DEFAULT_METHODS = "none,naive,ngram,suffix"
+WARMUP_TOKENS = 16
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="speculant bench spec", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma list of proposer names (default configs)")
+    p.add_argument("--method", action="append", default=[], metavar="JSON",
+                   help='a full speculative config, repeatable: \'{"method":"ngram","num_speculative_tokens":3}\'')
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K for the --methods entries")
+    p.add_argument("--concurrency", type=int, default=4, help="requests at once in the concurrent mode (<= 1: skip it)")
+    p.add_argument("--categories", default=None, help="comma list (default: all)")
+    p.add_argument("--prompts", default=None, help="JSONL file of your own prompts")
+    p.add_argument("--per-category", type=int, default=None, help="use at most this many prompts per category")
+    p.add_argument("--repeats", type=int, default=1, help="time each block this many times, keep the fastest")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB per engine")
+    p.add_argument("--out", default=None, help="directory for spec.json, spec.md (and plots)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- methods
+
+
+def method_configs(names: str, json_methods: list[str], num_speculative_tokens: int | None) -> dict[str, dict | None]:
+    """label -> speculative config dict (None = plain decoding); the baseline `none` comes first."""
+    from engine.spec_config import parse_speculative_config
+
+    configs: dict[str, dict | None] = {"none": None}
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name == "none":
+            continue
+        cfg = {"method": name}
+        if num_speculative_tokens is not None:
+            cfg["num_speculative_tokens"] = num_speculative_tokens
+        configs[_unique(name, configs)] = cfg
+    for text in json_methods:
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"method: invalid JSON ({exc.msg}): {text}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"method: expected a JSON object: {text}")
+        extras = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "method")
+        label = f"{cfg.get('method')}({extras})" if extras else str(cfg.get("method"))
+        configs[_unique(label, configs)] = cfg
+    for cfg in configs.values():
+        if cfg is not None:
+            parse_speculative_config(cfg)  # a bad name or option fails here, naming the field
+    return configs
+
+
+def _unique(label: str, taken) -> str:
+    out, i = label, 2
+    while out in taken:
+        out, i = f"{label}#{i}", i + 1
+    return out
+
+
+def build_engine(args, spec: dict | None, max_num_seqs: int):
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(SimpleNamespace(
+        model=args.model, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, block_size=16,
+        max_num_seqs=max(16, max_num_seqs), max_num_batched_tokens=512, threads=args.threads, device="cpu",
+        speculative_config=json.dumps(spec) if spec is not None else None, served_model_name=None,
+    ))
+
+
+# ---------------------------------------------------------------- driving
+
+
+def drive(engine, prompts: list[BenchPrompt], params: SamplingParams) -> list[dict]:
+    """Submit prompts together and step to completion; per request: tokens, steps, timings."""
+    start = time.perf_counter()
+    reqs = {}
+    for p in prompts:
+        rid = f"bench-{p.prompt_id}-{time.perf_counter_ns()}"
+        engine.add_request(Generate(rid, params, messages=list(p.messages)))
+        reqs[rid] = {"prompt_id": p.prompt_id, "token_ids": [], "num_steps": 0, "first_s": None, "done_s": None}
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter() - start
+        for out in outs:
+            r = reqs[out.request_id]
+            r["token_ids"] += out.token_ids
+            r["num_steps"] += 1
+            if r["first_s"] is None:
+                r["first_s"] = now
+            if out.finish_reason is not None:
+                r["done_s"] = now
+    return list(reqs.values())
+
+
+def run_block(engine, prompts: list[BenchPrompt], params: SamplingParams, group: int) -> dict:
+    """One method on one category in one mode, from a fresh proposer: raw counts and timings."""
+    if engine.has_unfinished():
+        raise ValueError("engines: an engine still has unfinished requests")
+    reset_proposer(engine)
+    with instrument(engine) as timers:
+        start = time.perf_counter()
+        results = []
+        for i in range(0, len(prompts), group):
+            results += drive(engine, prompts[i: i + group], params)
+        wall_s = time.perf_counter() - start
+    return block_raw(results, wall_s, timers)
+
+
+def warm_up(engine, prompts: list[BenchPrompt], concurrency: int, max_tokens: int) -> None:
+    """Compile the kernels for every path a block takes and put every prompt's KV in the prefix cache."""
+    drive(engine, prompts, SamplingParams(max_tokens=1, temperature=0.0))
+    first = list(by_category(prompts).values())[0]
+    warm = SamplingParams(max_tokens=min(WARMUP_TOKENS, max_tokens), temperature=0.0)
+    drive(engine, first[:1], warm)
+    drive(engine, first[: max(concurrency, 1)], warm)
+
+
+def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *, max_tokens: int = 128,
+                   concurrency: int = 4, repeats: int = 1, progress: bool = True) -> dict:
+    """Benchmark already-built engines (label -> LLMEngine; exactly one without speculation)."""
+    baselines = [label for label, e in engines.items() if e.proposer is None]
+    if len(baselines) != 1:
+        raise ValueError(f"engines: need exactly one engine without speculation as the baseline, got {len(baselines)}")
+    if not prompts:
+        raise ValueError("prompts: empty")
+    ids = [p.prompt_id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"prompts: duplicate id {next(i for i in ids if ids.count(i) > 1)!r}")
+    if max_tokens < 1:
+        raise ValueError("max_tokens: must be >= 1")
+    if repeats < 1:
+        raise ValueError("repeats: must be >= 1")
+    modes = [("batch1", 1)] + ([("concurrent", concurrency)] if concurrency > 1 else [])
+    groups = by_category(prompts)
+    for engine in engines.values():
+        warm_up(engine, prompts, concurrency, max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    blocks = [(mode, n, cat, label) for mode, n in modes for cat in groups for label in engines]
+    raw = {}
+    for mode, n, cat, label in _progress(blocks, progress):
+        runs = [run_block(engines[label], groups[cat], params, n) for _ in range(repeats)]
+        raw[(mode, cat, label)] = min(runs, key=lambda r: r["wall_s"])
+    return {
+        "config": {
+            "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats, "temperature": 0.0,
+            "categories": {c: [p.prompt_id for p in ps] for c, ps in groups.items()},
+            "modes": {mode: n for mode, n in modes}, "machine": machine_info(),
+        },
+        "baseline": baselines[0],
+        "methods": {label: _spec_dict(e) for label, e in engines.items()},
+        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines)),
+    }
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc="bench spec", unit="block", file=sys.stderr)
+
+
+def _spec_dict(engine) -> dict | None:
+    spec = engine.spec
+    if spec is None:
+        return None
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "max_draft_tokens_per_step": spec.max_draft_tokens_per_step, "options": dict(spec.options)}
+
+
+def machine_info() -> dict:
+    import numba
+
+    return {"cpu_count": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+            "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def load_suite(args) -> list[BenchPrompt]:
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts()
+    return select(prompts, categories, args.per_category)
+
+
+def main(argv=None) -> int:
+    args = parse(argv or [])
+    try:
+        for flag in ("max_tokens", "repeats"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1")
+        if args.per_category is not None and args.per_category < 1:
+            raise ValueError("--per-category: must be >= 1")
+        configs = method_configs(args.methods, args.method, args.num_speculative_tokens)
+        prompts = load_suite(args)
+    except ValueError as exc:
+        print(f"speculant bench spec: error: {exc}", file=sys.stderr)
+        return 2
+    load_before = os.getloadavg()[0]
+    engines = {label: build_engine(args, cfg, args.concurrency) for label, cfg in configs.items()}
+    result = run_spec_bench(engines, prompts, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                            repeats=args.repeats)
+    result["config"].update(model=args.model, threads=args.threads, load_avg_1m_before=round(load_before, 2))
+    print(report.format_table(result))
+    if args.out:
+        for path in report.write_all(result, args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""`speculant bench spec` on the real model: one short prompt per category, result structure and counters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import report
+from benchmarks.prompts import BUILTIN_CATEGORIES, builtin_prompts, load_prompts, parse_record, select
+from benchmarks.spec import main, method_configs, run_spec_bench
+from engine.generate import generate
+from engine.protocol import SamplingParams
+
+MAX_TOKENS = 8
+METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
+           "suffix": {"method": "suffix", "num_speculative_tokens": 4}}
+
+
+TINY = [  # one tiny prompt per built-in category: prefill stays cheap
+    {"category": "code_edit", "prompt": "Rename f to g:\n```python\ndef f(x):\n    return x + 1\n\nprint(f(2))\n```"},
+    {"category": "extraction", "prompt": "Extract the city as JSON: Ana moved from Porto to Lyon in May."},
+    {"category": "open_chat", "prompt": "Why do cats purr?"},
+    {"category": "agent_json", "messages": [
+        {"role": "system", "content": 'Reply only with {"tool": "get_weather", "arguments": {"city": CITY}}.'},
+        {"role": "user", "content": "Weather in Oslo?"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [parse_record(r, "tiny", f"tiny-{i}") for i, r in enumerate(TINY)]
+
+
+@pytest.fixture(scope="module")
+def engines(engine, make_engine):
+    built = {label: make_engine(speculative_config=json.dumps(cfg)) for label, cfg in METHODS.items()}
+    return {"none": engine, **built}
+
+
+@pytest.fixture(scope="module")
+def result(engines, prompts):
+    return run_spec_bench(engines, prompts, max_tokens=MAX_TOKENS, concurrency=2, progress=False)
+
+
+def _row(result, mode, category, method):
+    (row,) = [r for r in result["rows"] if (r["mode"], r["category"], r["method"]) == (mode, category, method)]
+    return row
+
+
+def test_builtin_suite_has_every_category_with_3_to_6_prompts():
+    counts = {c: sum(p.category == c for p in builtin_prompts()) for c in BUILTIN_CATEGORIES}
+    assert all(3 <= n <= 6 for n in counts.values()), counts
+
+
+def test_one_row_per_mode_category_and_method(result, prompts):
+    cats = [p.category for p in prompts] + ["all"]
+    keys = {(r["mode"], r["category"], r["method"]) for r in result["rows"]}
+    assert keys == {(m, c, x) for m in ("batch1", "concurrent") for c in cats for x in ("none", "ngram", "suffix")}
+    assert len(result["rows"]) == len(keys)
+    assert result["baseline"] == "none" and result["methods"]["none"] is None
+    assert result["methods"]["ngram"]["num_speculative_tokens"] == 4
+
+
+def test_baseline_matches_generate_and_speculation_is_lossless(result, engines, prompts):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for p in prompts:
+        (ref,) = generate(engines["none"], [list(p.messages)], params)
+        for mode in ("batch1", "concurrent"):
+            assert _row(result, mode, p.category, "none")["output_tokens"] == len(ref.token_ids)
+    for row in result["rows"]:
+        assert row["identical"] and row["mismatches"] == [], row
+        if row["method"] == "none":
+            assert row["speedup"] == pytest.approx(1.0) and row["al"] is None
+
+
+def test_counters_match_the_requests_own_totals(result, engines, prompts):
+    """ngram is stateless, so generate() alone reproduces the batch-1 block's draft/accept counts."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    done = [generate(engines["ngram"], [list(p.messages)], params)[0] for p in prompts]
+    row = _row(result, "batch1", "all", "ngram")
+    assert row["num_draft_tokens"] == sum(c.num_draft_tokens for c in done)
+    assert row["num_accepted_tokens"] == sum(c.num_accepted_tokens for c in done)
+    assert row["request_steps"] == sum(c.num_steps for c in done)
+    for r in result["rows"]:
+        assert sum(r["accepted_per_pos"]) == r["num_accepted_tokens"] <= r["num_draft_tokens"]
+        if r["num_drafts"]:
+            assert r["al"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
+            assert r["acceptance_per_pos"][0] == pytest.approx(r["accepted_per_pos"][0] / r["num_drafts"])
+        assert r["tokens_per_step"] == pytest.approx(r["output_tokens"] / r["request_steps"])
+
+
+def test_engines_are_left_unwrapped(result, engines):
+    for e in engines.values():
+        assert "forward" not in vars(e.runner)
+        assert e.proposer is None or "propose" not in vars(e.proposer)
+        assert not e.has_unfinished()
+
+
+def test_json_markdown_and_table(result, tmp_path):
+    paths = report.write_all(result, tmp_path)
+    assert {p.name for p in paths} >= {"spec.json", "spec.md"}
+    data = json.loads((tmp_path / "spec.json").read_text())
+    assert set(data) >= {"config", "baseline", "methods", "rows", "targets"}
+    assert data["config"]["max_tokens"] == MAX_TOKENS and data["config"]["modes"] == {"batch1": 1, "concurrent": 2}
+    names = {t["target"] for t in data["targets"]}
+    assert "suffix >= ngram on agent_json (batch1)" in names
+    md = (tmp_path / "spec.md").read_text()
+    assert "## batch1" in md and "## concurrent" in md
+    assert "| category | method | AL | tok/step | accept | tok/s | speedup | identical | propose ms/step |" in md
+    table = report.format_table(result)
+    assert all(f" {m} " in table for m in ("none", "ngram", "suffix")) and "targets:" in table
+
+
+def test_bad_method_and_prompt_files_fail_cleanly(tmp_path):
+    with pytest.raises(ValueError, match="method"):
+        method_configs("none,nosuchproposer", [], None)
+    with pytest.raises(ValueError, match="method: invalid JSON"):
+        method_configs("none", ["{not json"], None)
+    with pytest.raises(ValueError, match="max_ngram_size"):
+        method_configs("none", ['{"method": "ngram", "max_ngram_size": 0}'], None)
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"category": "x", "prompt": "hi"}\n{"category": "x", "messages": [{"role": "bot", "content": "a"}]}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: messages\[0\].role"):
+        load_prompts(bad)
+    bad.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1: category"):
+        load_prompts(bad)
+    assert main(["--max-tokens", "0"]) == 2
+    assert main(["--categories", "nope"]) == 2
+
+
+def test_user_prompt_file_round_trip(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"category": "a", "prompt": "one"}\n\n{"category": "b", "id": "x", "messages": '
+                 '[{"role": "system", "content": "s"}, {"role": "user", "content": "two"}]}\n')
+    got = load_prompts(f)
+    assert [(p.category, p.prompt_id, len(p.messages)) for p in got] == [("a", "mine-1", 1), ("b", "x", 2)]
+    assert got[1].messages[1].content == "two"
+    assert [p.prompt_id for p in select(got, ["b"])] == ["x"]
