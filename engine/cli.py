@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("proposers", help="list installed proposers (entry point group speculant.proposers)")
 
+    p = sub.add_parser("keygen", help="write CurveZMQ key pairs for a gateway and its workers (SPECULANT_CURVE_DIR)")
+    p.add_argument("dir", help="key directory (created; existing keys are never overwritten)")
+    p.add_argument("--name", default="worker", help="name of the worker key pair to add (default: worker)")
+
     p = sub.add_parser("generate", help="generate text in-process (no server), for quick checks")
     _add_model_args(p)
     p.add_argument("prompt")
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "gateway": ("gateway.server", "main"),
         "fetch-model": ("engine.model_files", "cli_fetch"),
         "proposers": ("proposers.registry", "cli_list"),
+        "keygen": ("engine.zmq_security", "cli_keygen"),
         "generate": ("engine.generate", "cli_generate"),
     }
     import importlib

@@ -22,6 +22,7 @@ from engine.protocol import Generate, Output, WorkerStats
 from engine.request_input import prompt_token_ids, validate_params
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.spec_log import SpecLogger
 from engine.step_batch import StepBatch
 
 log = logging.getLogger("speculant.engine")
@@ -45,6 +46,7 @@ class LLMEngine:
         self.states: dict[str, OutputState] = {}
         self.accepted_per_pos = np.zeros(max(self.num_speculative_tokens, 1), np.int64)
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.spec_logger = SpecLogger()
 
     @classmethod
     def from_args(cls, args) -> "LLMEngine":
@@ -93,7 +95,10 @@ class LLMEngine:
         batch = self.step_batch.build(sched, drafts)
         logits = self.runner.forward(batch.forward)  # [num_logits, vocab]
         self.step_batch.verify(logits, self.spec)
-        return self.accept_and_emit(sched, logits)
+        outputs = self.accept_and_emit(sched, logits)
+        if self.proposer is not None:
+            self.spec_logger.maybe_log(self.totals, self.accepted_per_pos)
+        return outputs
 
     def schedule(self) -> list[ScheduledSeq]:
         self.controller.start_step()

@@ -4,7 +4,9 @@ The loop reads top to bottom: receive (add / abort) -> engine.step() -> send out
 -> heartbeat. It blocks only while idle, never on a send (NOBLOCK; a full queue drops
 the message with a log line). The gateway may start before or after us and may
 restart: ZeroMQ reconnects the DEALER, and a GatewayHello makes us drop requests the
-new gateway does not know and introduce ourselves again with Ready.
+new gateway does not know and introduce ourselves again with Ready. Cut off from the
+gateway for longer than its worker timeout (it has failed our requests by then), we abort
+everything we run, so no KV block stays held for a request nobody waits for.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import time
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from engine import protocol
+from engine import protocol, zmq_security
 from engine.errors import InvalidRequest
 
 log = logging.getLogger("speculant.worker")
@@ -33,7 +36,8 @@ CUMULATIVE_STATS = ("num_preemptions", "num_drafts", "num_draft_tokens", "num_ac
 
 
 class Worker:
-    def __init__(self, engine, endpoint: str, worker_id: str):
+    def __init__(self, engine, endpoint: str, worker_id: str, curve: zmq_security.CurveKeys | None = None,
+                 link_timeout: float = 5.0):
         self.engine = engine
         self.worker_id = worker_id
         self.is_stopping = False
@@ -45,6 +49,13 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.SNDHWM, HWM)
         self.sock.setsockopt(zmq.RCVHWM, HWM)
+        if curve is not None:
+            zmq_security.secure_worker_socket(self.sock, curve)
+        zmq_security.set_heartbeats(self.sock)
+        self.link = LinkWatch(self.sock, link_timeout)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.link.monitor, zmq.POLLIN)
         self.sock.connect(endpoint)
         log.info("worker %s connecting to %s", worker_id, endpoint)
 
@@ -57,6 +68,11 @@ class Worker:
             if self.engine.has_unfinished():
                 self.step()
             now = time.monotonic()
+            if self.link.is_lost(now) and self.engine.request_ids():
+                log.warning("cut off from the gateway for over %g s: aborting %d requests",
+                            self.link.timeout, len(self.engine.request_ids()))
+                for request_id in self.engine.request_ids():
+                    self.abort(request_id)
             if now >= next_heartbeat:
                 self.send(protocol.Heartbeat(worker_id=self.worker_id, stats=self.stats()))
                 next_heartbeat = now + HEARTBEAT_INTERVAL
@@ -65,7 +81,10 @@ class Worker:
     # ------------------------------------------------------------ receive
 
     def receive(self, timeout_ms: int) -> None:
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.link.monitor in ready:
+            self.link.read_events(time.monotonic())
+        if self.sock not in ready:
             return
         for _ in range(MAX_MESSAGES_PER_DRAIN):
             try:
@@ -176,8 +195,46 @@ class Worker:
         self.send(protocol.Goodbye(worker_id=self.worker_id, reason="shutdown"))
         for request_id in request_ids:
             self.abort(request_id)
+        self.link.close()
         self.sock.close(linger=LINGER_MS)
         self.ctx.term()
+
+
+class LinkWatch:
+    """Connection state of the DEALER from its monitor socket (ZMTP heartbeats catch cut links)."""
+
+    EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+    def __init__(self, sock: zmq.Socket, timeout: float):
+        self.sock = sock
+        self.timeout = timeout
+        self.monitor = sock.get_monitor_socket(self.EVENTS)
+        self.lost_since: float | None = None  # None while connected (or never connected)
+        self.failed = False  # last handshake failed: log once per run of failures
+
+    def read_events(self, now: float) -> None:
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self.lost_since is not None or self.failed:
+                    log.info("connected to the gateway again")
+                self.lost_since, self.failed = None, False
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self.lost_since is None:
+                    log.warning("lost the connection to the gateway; reconnecting")
+                    self.lost_since = now
+            elif not self.failed:  # handshake refused: wrong Curve keys, or not a speculant gateway
+                self.failed = True
+                log.error("the gateway refused the handshake (%s): check %s / %s",
+                          zmq.Event(event).name, zmq_security.CURVE_DIR_ENV, zmq_security.CURVE_NAME_ENV)
+
+    def is_lost(self, now: float) -> bool:
+        return self.lost_since is not None and now - self.lost_since > self.timeout
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
 
 
 def warm_up(engine) -> None:
@@ -194,11 +251,28 @@ def warm_up(engine) -> None:
     log.info("warm-up done in %.1f s", time.monotonic() - start)
 
 
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name) or ""
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {raw}")
+    return value
+
+
 def main(args) -> int:
     logging.basicConfig(level=os.environ.get("SPECULANT_LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     endpoint = args.endpoint or os.environ.get("SPECULANT_ENGINE_ENDPOINT") or protocol.DEFAULT_ENDPOINT
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    try:  # before the model load: a refused setup fails in a second
+        curve = zmq_security.worker_keys_from_env(endpoint)
+        link_timeout = _env_seconds("SPECULANT_WORKER_TIMEOUT", 5.0)
+    except ValueError as exc:
+        log.error("cannot start the engine: %s", exc)
+        return 2
     from engine.llm_engine import LLMEngine  # heavy (numba); only the engine process pays for it
 
     try:
@@ -207,7 +281,7 @@ def main(args) -> int:
         log.error("cannot start the engine: %s", exc)
         return 2
     warm_up(engine)
-    worker = Worker(engine, endpoint, worker_id)
+    worker = Worker(engine, endpoint, worker_id, curve, link_timeout)
 
     def stop(signum, frame) -> None:
         log.info("received %s", signal.Signals(signum).name)

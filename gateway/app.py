@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -10,17 +11,21 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 import gateway
+from gateway import pages
+from gateway.auth import api_key_middleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import OpenAIError
 from gateway.generation import ENGINE, chat_completions, completions
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_spec
 
 log = logging.getLogger("speculant.gateway")
 
 CONFIG = web.AppKey("config", GatewayConfig)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 STARTED = web.AppKey("started", int)  # unix seconds, the `created` of /v1/models entries
+DRAINING = web.AppKey("draining", asyncio.Event)  # set on SIGTERM: no new generation requests
 _json = msgspec.json.Encoder()
 
 
@@ -64,6 +69,15 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         return error_response(OpenAIError(500, "Internal server error.", code="internal_error"))
 
 
+@web.middleware
+async def refuse_while_draining(request: web.Request, handler) -> web.StreamResponse:
+    """After SIGTERM the listener is closed; a request that still slips in on an open connection gets 503."""
+    if request.app[DRAINING].is_set() and request.method == "POST":
+        raise OpenAIError(503, "The gateway is shutting down; retry on another instance.",
+                          code="gateway_shutdown", headers={"Connection": "close", "Retry-After": "1"})
+    return await handler(request)
+
+
 async def health(request: web.Request) -> web.Response:
     num_workers = len(request.app[ENGINE].table)
     body = {"status": "ok" if num_workers else "no engine worker ready", "workers": num_workers}
@@ -72,6 +86,10 @@ async def health(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     return json_response({"version": gateway.__version__})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_spec())
 
 
 async def models(request: web.Request) -> web.Response:
@@ -96,22 +114,38 @@ async def _engine_client(app: web.Application):
     await client.close()
 
 
-async def _stop_streams(app: web.Application) -> None:
-    """Open streams end with an error event now instead of holding the shutdown for their timeout."""
-    app[ENGINE].fail_all("The gateway is shutting down.")
+async def _drain(app: web.Application) -> None:
+    """SIGTERM: aiohttp has closed the listener; running requests get `shutdown_grace` seconds to
+    finish, then the rest end with an error event and [DONE] (their engine requests are aborted)."""
+    app[DRAINING].set()
+    client, grace = app[ENGINE], app[CONFIG].shutdown_grace
+    if client.num_pending:
+        log.info("shutting down: waiting up to %g s for %d requests", grace, client.num_pending)
+    deadline = time.monotonic() + grace
+    while client.num_pending and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if client.num_pending:
+        log.warning("shutdown grace over: ending %d requests with an error", client.num_pending)
+    client.fail_all("The gateway is shutting down.")
 
 
 def create_app(config: GatewayConfig) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[openai_errors])
+    middlewares = [openai_errors, refuse_while_draining]
+    if config.api_keys:
+        middlewares.append(api_key_middleware(config.api_keys))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[CONFIG] = config
+    app[DRAINING] = asyncio.Event()
     app[METRICS] = metrics = GatewayMetrics()
     app[STARTED] = int(time.time())
     app.cleanup_ctx.append(_engine_client)
-    app.on_shutdown.append(_stop_streams)
+    app.on_shutdown.append(_drain)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/metrics", make_aiohttp_handler(metrics.registry))
+    pages.add_routes(app)  # /, /playground, /dashboard, /static/*, /v1/speculant/stats
     return app

@@ -9,6 +9,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from engine import zmq_security
 from engine.protocol import DEFAULT_ENDPOINT
 
 
@@ -21,7 +22,11 @@ class GatewayConfig:
     max_pending: int = 1024  # outstanding requests before 429
     worker_timeout: float = 5.0  # seconds of silence before a worker is dropped
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
-    shutdown_timeout: float = 2.0  # seconds aiohttp waits for open streams on exit
+    shutdown_timeout: float = 2.0  # seconds aiohttp waits for handlers after the grace period
+    shutdown_grace: float = 10.0  # seconds in-flight requests may still finish after SIGTERM
+    api_keys: tuple[str, ...] = ()  # Bearer keys accepted on /v1 (empty: no auth)
+    curve_dir: str | None = None  # CurveZMQ key directory (`speculant keygen`)
+    allow_insecure_zmq: bool = False  # plaintext on a non-loopback endpoint, explicitly
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -34,6 +39,13 @@ class GatewayConfig:
             raise ValueError(f"worker_timeout must be > 0, got {self.worker_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not 0 <= self.shutdown_grace <= 3600:
+            raise ValueError(f"shutdown_grace must be in 0..3600 s, got {self.shutdown_grace}")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("api_keys must be non-empty and have no surrounding spaces")
+        zmq_security.check_endpoint(self.endpoint, self.curve_dir is not None, self.allow_insecure_zmq)
+        if self.curve_dir is not None:
+            zmq_security.gateway_keys(self.curve_dir)  # fail at start-up, naming the missing file
 
     @classmethod
     def from_args(cls, args, environ: Mapping[str, str] = os.environ) -> GatewayConfig:
@@ -49,6 +61,10 @@ class GatewayConfig:
             max_pending=_pick(None, environ, "SPECULANT_MAX_PENDING", int, d.max_pending),
             worker_timeout=_pick(None, environ, "SPECULANT_WORKER_TIMEOUT", float, d.worker_timeout),
             max_body_bytes=_pick(None, environ, "SPECULANT_MAX_BODY_BYTES", int, d.max_body_bytes),
+            shutdown_grace=_pick(None, environ, "SPECULANT_SHUTDOWN_GRACE", float, d.shutdown_grace),
+            api_keys=tuple(k.strip() for k in environ.get("SPECULANT_API_KEY", "").split(",") if k.strip()),
+            curve_dir=environ.get(zmq_security.CURVE_DIR_ENV) or None,
+            allow_insecure_zmq=zmq_security.insecure_allowed(environ),
         )
 
 

@@ -4,6 +4,9 @@ Handlers never touch the socket. They `submit` a request and read its `RequestSt
 the reader task fans worker messages out to those queues, so a slow client only ever
 slows its own queue. A worker that says Goodbye or stays silent longer than
 `worker_timeout` is dropped, and each of its requests gets an error instead of hanging.
+A worker whose connection drops (killed, link cut: ZMTP heartbeats notice) is dropped at
+once: the socket monitor reports the disconnect and a probe finds which peer is gone.
+Only the worker a request was sent to may answer for it.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from engine import protocol
+from engine import protocol, zmq_security
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics, RequestTiming
@@ -27,6 +31,7 @@ log = logging.getLogger("speculant.gateway.engine_client")
 
 HWM = 100_000  # messages; outstanding work is bounded by max_pending anyway
 HELLO_INTERVAL = 1.0  # seconds between GatewayHellos to the same unknown worker
+PROBE_DELAYS = (0.05, 0.25)  # s after a disconnect: libzmq drops the peer's route asynchronously
 
 
 class RequestStream:
@@ -60,6 +65,9 @@ class EngineClient:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._auth = None  # ZAP authenticator when Curve keys are configured
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._link_lost = asyncio.Event()
 
     @property
     def num_pending(self) -> int:
@@ -67,7 +75,13 @@ class EngineClient:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        keys = zmq_security.gateway_keys(self.config.curve_dir) if self.config.curve_dir else None
+        if keys is not None:
+            self._auth = zmq_security.start_authenticator(self._ctx, keys)
         sock = self._ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            zmq_security.secure_gateway_socket(sock, keys)
+        zmq_security.set_heartbeats(sock)
         sock.setsockopt(zmq.LINGER, 1000)  # ms; lets the final Aborts out on shutdown
         sock.setsockopt(zmq.SNDHWM, HWM)
         sock.setsockopt(zmq.RCVHWM, HWM)
@@ -77,11 +91,14 @@ class EngineClient:
             sock.bind(self.config.endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            self._stop_auth()
             self._ctx.term()
             raise RuntimeError(f"cannot bind the engine endpoint {self.config.endpoint}: {exc}") from None
         self._sock = sock
-        log.info("engine endpoint bound at %s", self.config.endpoint)
-        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch_loop())]
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        log.info("engine endpoint bound at %s%s", self.config.endpoint, " (Curve)" if keys else "")
+        self._tasks = [asyncio.create_task(loop()) for loop in
+                       (self._read_loop, self._watch_loop, self._monitor_loop, self._probe_loop)]
 
     async def close(self) -> None:
         self.fail_all("The gateway is shutting down.")
@@ -89,9 +106,17 @@ class EngineClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=500)
+        self._stop_auth()
         if self._ctx is not None:
             self._ctx.term()
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     # ------------------------------------------------------------ handler API
 
@@ -194,7 +219,7 @@ class EngineClient:
             case protocol.RequestError(request_id=request_id):
                 stream = self._streams.get(request_id)
                 worker.request_ids.discard(request_id)
-                if stream is not None and not stream.is_finished:
+                if stream is not None and not stream.is_finished and stream.identity == identity:
                     stream.is_finished = True
                     stream.queue.put_nowait(msg)
             case protocol.Goodbye(reason=reason):
@@ -227,8 +252,8 @@ class EngineClient:
 
     def _on_output(self, worker: WorkerInfo, out: protocol.Output, now: float) -> None:
         stream = self._streams.get(out.request_id)
-        if stream is None or stream.is_finished:
-            return  # late output of an aborted request
+        if stream is None or stream.is_finished or stream.identity != worker.identity:
+            return  # late output of an aborted request, or a peer answering for another's request
         if out.finish_reason is not None:
             stream.is_finished = True
             worker.request_ids.discard(out.request_id)
@@ -243,6 +268,29 @@ class EngineClient:
             await asyncio.sleep(interval)
             for worker in self.table.expired(time.monotonic(), self.config.worker_timeout):
                 self._drop_worker(worker, f"silent for more than {self.config.worker_timeout:g} s")
+
+    async def _monitor_loop(self) -> None:
+        assert self._monitor is not None
+        while True:
+            try:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            except zmq.ZMQError:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._link_lost.set()
+
+    async def _probe_loop(self) -> None:
+        """After a disconnect, a no-op hello to each worker: ROUTER_MANDATORY refuses a gone peer."""
+        while True:
+            await self._link_lost.wait()
+            self._link_lost.clear()
+            for delay in PROBE_DELAYS:
+                await asyncio.sleep(delay)
+                for worker in list(self.table.workers.values()):
+                    hello = protocol.GatewayHello(gateway_id=self.gateway_id,
+                                                  live_request_ids=sorted(worker.request_ids))
+                    if self._send(worker.identity, hello) == zmq.EHOSTUNREACH:
+                        self._drop_worker(worker, "connection lost")
 
     def _drop_worker(self, worker: WorkerInfo, reason: str) -> None:
         if self.table.remove(worker.identity) is None:

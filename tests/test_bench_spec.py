@@ -12,7 +12,7 @@ from benchmarks.spec import main, method_configs, run_spec_bench
 from engine.generate import generate
 from engine.protocol import SamplingParams
 
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},
            "suffix": {"method": "suffix", "num_speculative_tokens": 4}}
 

@@ -9,120 +9,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-MAX_MODEL_LEN = 512
-MAX_PENDING = 8
-# One compute thread per worker: two workers must not oversubscribe a small CI machine.
-ENGINE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.05", "--max-num-seqs", "16",
-               "--threads", "1", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
-START_TIMEOUT = 300  # s: model load + JIT warm-up on a cold cache
-LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}  # outlives any test step
+from servers import ENGINE_ARGS, LONG, MAX_MODEL_LEN, MAX_PENDING, REPO, START_TIMEOUT, Cluster, free_port, http
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    """Subprocesses of one test session, their logs, and small HTTP helpers."""
-
-    def __init__(self, tmp: pathlib.Path, model_path: pathlib.Path):
-        self.tmp, self.model_path = tmp, model_path
-        self.port, self.zmq_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                    "PYTHONUNBUFFERED": "1", "SPECULANT_PORT": str(self.port),
-                    "SPECULANT_ENGINE_ENDPOINT": f"tcp://127.0.0.1:{self.zmq_port}",
-                    "SPECULANT_MAX_PENDING": str(MAX_PENDING)}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.killed: set[str] = set()  # killed on purpose by a test
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        with open(self.tmp / f"{name}.log", "wb") as log:  # the child keeps its own copy of the fd
-            proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], env=self.env, cwd=REPO,
-                                    stdout=log, stderr=subprocess.STDOUT)
-        self.procs[name] = proc
-        return proc
-
-    def start_worker(self, worker_id: str) -> subprocess.Popen:
-        return self.start(worker_id, "engine", "--model", str(self.model_path), "--worker-id", worker_id, *ENGINE_ARGS)
-
-    def kill(self, name: str) -> None:
-        self.killed.add(name)
-        self.procs[name].kill()
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
-
-    def wait_workers(self, num_workers: int) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                assert name in self.killed or proc.poll() is None, f"{name} exited early\n{self.logs()}"
-            status, body, _ = http(f"{self.url}/health")
-            if status == 200 and body["workers"] == num_workers:
-                return
-            time.sleep(0.5)
-        pytest.fail(f"no {num_workers} ready workers after {START_TIMEOUT} s\n{self.logs()}")
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        _, text, _ = http(f"{self.url}/metrics")
-        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                   if s.name == name and labels.items() <= s.labels.items())
-
-    def wait_idle(self, timeout: float = 20) -> None:
-        """Running requests and KV usage back to 0 (both come from worker heartbeats)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.metric("speculant:num_requests_running") == 0 and self.metric("speculant:kv_cache_usage_perc") == 0:
-                return
-            time.sleep(0.2)
-        pytest.fail(f"engine not idle after {timeout} s\n{self.logs()}")
-
-
-def http(url: str, body: dict | None = None):
-    """(status, parsed JSON or text, headers) without raising on 4xx/5xx; status None if nobody listens."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            status, raw, headers = resp.status, resp.read(), resp.headers
-    except urllib.error.HTTPError as err:
-        status, raw, headers = err.code, err.read(), err.headers
-    except urllib.error.URLError:
-        return None, None, {}
-    is_json = headers.get("Content-Type", "").startswith("application/json")
-    return status, json.loads(raw) if is_json else raw.decode(), headers
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,21 @@
 // CPU emulation of the CUDA subset our kernels use, for CI without a GPU (engine/gpu/emulator.py).
 //
-// Every CUDA thread of a block is a std::thread; __syncthreads is a std::barrier over the block,
-// warp shuffles exchange through a per-warp buffer between two warp barriers, __shared__ becomes
-// `static` (blocks run one after another). Slow, exact about the kernel's arithmetic order, and
-// strict about synchronisation: a race in a kernel shows up here as a wrong result or a hang.
+// The threads of a block are fibers (ucontext) on one OS thread, scheduled round robin; a fiber
+// runs until it waits at a barrier. __syncthreads is a barrier over the block, a warp shuffle
+// exchanges values through a per-warp buffer between two warp barriers, and __shared__ becomes
+// `static` (blocks run one after another). Exact about each thread's arithmetic order, and strict
+// about synchronisation: a kernel that syncs in divergent code deadlocks here, which is reported
+// and aborts instead of hanging.
 #pragma once
+#include <ucontext.h>
+
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <thread>
+#include <functional>
 #include <vector>
 
 #define __global__
@@ -23,44 +27,65 @@
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct EmuThread { dim3 tid, bid, bdim, gdim; int lane = 0, warp = 0; };
-inline thread_local EmuThread emu_self;
-#define threadIdx (emu_self.tid)
-#define blockIdx (emu_self.bid)
-#define blockDim (emu_self.bdim)
-#define gridDim (emu_self.gdim)
+struct EmuBarrier { int expected = 0, arrived = 0; unsigned phase = 0; };
+struct EmuBlock { EmuBarrier block; std::vector<EmuBarrier> warps; std::vector<uint64_t> buf; };
 
-struct EmuBlock {
-    std::unique_ptr<std::barrier<>> block;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
-    std::vector<uint64_t> buf;  // [num_warps * 32] shuffle exchange
-};
+inline EmuThread* emu_cur = nullptr;       // the running fiber's thread/block indices
 inline EmuBlock* emu_block = nullptr;
+inline ucontext_t emu_main_ctx;
+inline ucontext_t* emu_fiber_ctx = nullptr;
+inline unsigned long emu_progress = 0;     // bumped by every arrival, phase change and exit
+inline std::function<void(int)>* emu_body = nullptr;
 
-inline void __syncthreads() { emu_block->block->arrive_and_wait(); }
+#define threadIdx (emu_cur->tid)
+#define blockIdx (emu_cur->bid)
+#define blockDim (emu_cur->bdim)
+#define gridDim (emu_cur->gdim)
+
+inline void emu_arrive_and_wait(EmuBarrier& b) {
+    ++emu_progress;
+    if (++b.arrived == b.expected) {
+        b.arrived = 0;
+        ++b.phase;
+        return;
+    }
+    const unsigned phase = b.phase;
+    while (b.phase == phase) swapcontext(emu_fiber_ctx, &emu_main_ctx);  // yield
+}
+
+inline void emu_drop(EmuBarrier& b) {  // an exited thread no longer takes part
+    ++emu_progress;
+    --b.expected;
+    if (b.arrived > 0 && b.arrived == b.expected) {
+        b.arrived = 0;
+        ++b.phase;
+    }
+}
+
+inline void __syncthreads() { emu_arrive_and_wait(emu_block->block); }
 
 template <typename T> inline T emu_shfl(T v, int src_lane) {
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    const int w = emu_self.warp;
-    emu_block->buf[w * 32 + emu_self.lane] = bits;
-    emu_block->warps[w]->arrive_and_wait();
+    const int w = emu_cur->warp;
+    emu_block->buf[w * 32 + emu_cur->lane] = bits;
+    emu_arrive_and_wait(emu_block->warps[w]);
     const uint64_t got = emu_block->buf[w * 32 + (src_lane & 31)];
-    emu_block->warps[w]->arrive_and_wait();
+    emu_arrive_and_wait(emu_block->warps[w]);
     T r;
     std::memcpy(&r, &got, sizeof(T));
     return r;
 }
-template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_shfl(v, emu_self.lane ^ m); }
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int m) { return emu_shfl(v, emu_cur->lane ^ m); }
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl(v, src); }
 template <typename T> inline T __shfl_up_sync(unsigned, T v, int d) {
-    return emu_shfl(v, emu_self.lane >= d ? emu_self.lane - d : emu_self.lane);
+    return emu_shfl(v, emu_cur->lane >= d ? emu_cur->lane - d : emu_cur->lane);
 }
 
-inline int atomicMax(int* addr, int v) {
-    int old = __atomic_load_n(addr, __ATOMIC_SEQ_CST);
-    while (old < v && !__atomic_compare_exchange_n(addr, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-    }
+inline int atomicMax(int* addr, int v) {  // fibers never preempt each other
+    const int old = *addr;
+    *addr = old > v ? old : v;
     return old;
 }
 
@@ -72,34 +97,56 @@ inline int max(int a, int b) { return a > b ? a : b; }
 
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 
-// Runs kernel<<<grid, block>>>(args...) block by block.
+inline void emu_entry(int t) { (*emu_body)(t); }
+
+// Runs kernel<<<grid, block>>>(args...): blocks one after another, each block's threads as fibers.
 template <typename... P, typename... A>
 void emu_launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
-    const int num_threads = (int)(block.x * block.y * block.z);
-    const int num_warps = (num_threads + 31) / 32;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                EmuBlock state;
-                state.block = std::make_unique<std::barrier<>>(num_threads);
-                for (int w = 0; w < num_warps; ++w)
-                    state.warps.push_back(std::make_unique<std::barrier<>>(std::min(32, num_threads - 32 * w)));
-                state.buf.assign(num_warps * 32, 0);
-                emu_block = &state;
-                std::vector<std::thread> threads;
-                for (int t = 0; t < num_threads; ++t)
-                    threads.emplace_back([&, t] {
-                        emu_self.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                        emu_self.bid = dim3{bx, by, bz};
-                        emu_self.bdim = block;
-                        emu_self.gdim = grid;
-                        emu_self.lane = t % 32;
-                        emu_self.warp = t / 32;
-                        kernel(args...);
-                        state.warps[t / 32]->arrive_and_drop();  // an exited thread no longer syncs
-                        state.block->arrive_and_drop();
-                    });
-                for (auto& th : threads) th.join();
-                emu_block = nullptr;
+    constexpr size_t kStack = 256 * 1024;
+    const int n = (int)(block.x * block.y * block.z), num_warps = (n + 31) / 32;
+    std::vector<EmuThread> selves(n);
+    std::vector<ucontext_t> ctxs(n);
+    std::vector<std::vector<char>> stacks(n, std::vector<char>(kStack));
+    std::vector<char> done(n);
+    std::function<void(int)> body = [&](int t) {
+        kernel(args...);
+        emu_drop(emu_block->warps[t / 32]);
+        emu_drop(emu_block->block);
+        done[t] = 1;
+    };
+    emu_body = &body;
+    for (unsigned b = 0; b < grid.x * grid.y * grid.z; ++b) {
+        EmuBlock state;
+        state.block.expected = n;
+        for (int w = 0; w < num_warps; ++w) state.warps.push_back(EmuBarrier{std::min(32, n - 32 * w), 0, 0});
+        state.buf.assign(num_warps * 32, 0);
+        emu_block = &state;
+        for (int t = 0; t < n; ++t) {
+            selves[t] = EmuThread{dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)},
+                                  dim3{b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y)}, block, grid,
+                                  t % 32, t / 32};
+            getcontext(&ctxs[t]);
+            ctxs[t].uc_stack.ss_sp = stacks[t].data();
+            ctxs[t].uc_stack.ss_size = kStack;
+            ctxs[t].uc_link = &emu_main_ctx;
+            makecontext(&ctxs[t], (void (*)())emu_entry, 1, t);
+            done[t] = 0;
+        }
+        for (int remaining = n; remaining > 0;) {
+            const unsigned long before = emu_progress;
+            for (int t = 0; t < n; ++t) {
+                if (done[t]) continue;
+                emu_cur = &selves[t];
+                emu_fiber_ctx = &ctxs[t];
+                swapcontext(&emu_main_ctx, &ctxs[t]);
+                remaining -= done[t];
             }
+            if (remaining > 0 && emu_progress == before) {
+                std::fprintf(stderr, "cuda_emu: deadlock in block %u: every live thread waits at a barrier\n", b);
+                std::abort();
+            }
+        }
+    }
+    emu_block = nullptr;
+    emu_cur = nullptr;
 }

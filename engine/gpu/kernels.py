@@ -50,10 +50,13 @@ def attention_q_tile(num_heads: int, num_kv_heads: int) -> int:
 
 
 class Kernels:
-    def __init__(self, act_dtype: str = "float16", loader=cupy_loader):
+    def __init__(self, act_dtype: str = "float16", loader=cupy_loader, verify_threads: int = VERIFY_THREADS):
         if act_dtype not in ACT_SUFFIX:
             raise ValueError(f"dtype: expected one of {sorted(ACT_SUFFIX)}, got {act_dtype!r}")
+        if verify_threads % 32 or not 32 <= verify_threads <= VERIFY_THREADS:
+            raise ValueError(f"verify_threads: a multiple of 32 in [32, {VERIFY_THREADS}]")
         self.sfx = ACT_SUFFIX[act_dtype]
+        self.verify_threads = verify_threads  # fewer only to keep the CPU emulator quick
         self._loader = loader
         self._modules: dict[str, object] = {}
         self._functions: dict[str, object] = {}
@@ -145,7 +148,7 @@ class Kernels:
                strategy, policy: int, uniforms, max_candidate_len: int, verify_top_p: float,
                out_token_ids, out_num_accepted, num_reqs: int) -> None:
         """One launch, one block per request; argument semantics of engine.verify.verify."""
-        self.fn("verify", "verify_drafts")((num_reqs,), (VERIFY_THREADS,), (
+        self.fn("verify", "verify_drafts")((num_reqs,), (self.verify_threads,), (
             logits, i32(logits.shape[1]), cu_rows, draft_ids, draft_probs, has_draft_probs, temperature,
             top_p, top_k, strategy, i32(policy), uniforms, i32(max_candidate_len), np.float64(verify_top_p),
             out_token_ids, out_num_accepted))

@@ -3,16 +3,39 @@
 Every kernel computes each token row with the same sequential float32 code, so a
 row's result never depends on how many rows share the call (the invariance the
 speculative step relies on). fastmath stays off for the same reason.
+
+Each kernel is compiled twice from one Python function: a parallel version for
+large batches and a serial one for decode-sized batches, where waking the thread
+pool costs more than the work (prange is plain range in the serial build). Rows are
+computed by identical code in both, so the choice never changes a result.
 """
 
 from __future__ import annotations
 
+import types
+
 import numba as nb
 import numpy as np
 
+PARALLEL_MIN_ROWS = 8
 
-@nb.njit(parallel=True, cache=True)
-def rms_norm(x, weight, eps, out):
+
+def _twice(fn):
+    """(serial, parallel) builds of one kernel.
+
+    The serial build gets its own function object and name, so Numba's on-disk cache
+    (keyed by qualified name) keeps the two builds apart.
+    """
+    serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    serial.__qualname__ = fn.__qualname__ + "_serial"
+    return nb.njit(cache=True)(serial), nb.njit(parallel=True, cache=True)(fn)
+
+
+def _pick(pair, num_rows: int):
+    return pair[1] if num_rows >= PARALLEL_MIN_ROWS else pair[0]
+
+
+def _rms_norm(x, weight, eps, out):
     # x, out: [num_tokens, hidden]; weight: [hidden]
     num_tokens, hidden = x.shape
     for t in nb.prange(num_tokens):
@@ -24,8 +47,7 @@ def rms_norm(x, weight, eps, out):
             out[t, i] = x[t, i] * inv * weight[i]
 
 
-@nb.njit(parallel=True, cache=True)
-def add_rms_norm(x, delta, weight, eps, out):
+def _add_rms_norm(x, delta, weight, eps, out):
     """x += delta (the residual stream), then out = rms_norm(x)."""
     num_tokens, hidden = x.shape
     for t in nb.prange(num_tokens):
@@ -39,16 +61,14 @@ def add_rms_norm(x, delta, weight, eps, out):
             out[t, i] = x[t, i] * inv * weight[i]
 
 
-@nb.njit(parallel=True, cache=True)
-def add_inplace(x, delta):
+def _add_inplace(x, delta):
     # x, delta: [num_tokens, hidden]
     for t in nb.prange(x.shape[0]):
         for i in range(x.shape[1]):
             x[t, i] += delta[t, i]
 
 
-@nb.njit(parallel=True, cache=True)
-def rope_adjacent(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
+def _rope_adjacent(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
     """Rotate pairs (2i, 2i+1) of the first `num_rot_heads` heads of each row (q then k).
 
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; cos/sin: [max_pos, rope_dim // 2].
@@ -67,14 +87,40 @@ def rope_adjacent(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
                 qkv[t, base + 2 * i + 1] = a * s + b * c
 
 
-@nb.njit(parallel=True, cache=True)
-def swiglu(gate_up, out):
+def _swiglu(gate_up, out):
     # gate_up: [num_tokens, 2 * inter] (gate | up); out: [num_tokens, inter]
     inter = out.shape[1]
     for t in nb.prange(out.shape[0]):
         for i in range(inter):
             g = gate_up[t, i]
             out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
+
+
+_RMS_NORM = _twice(_rms_norm)
+_ADD_RMS_NORM = _twice(_add_rms_norm)
+_ADD_INPLACE = _twice(_add_inplace)
+_ROPE = _twice(_rope_adjacent)
+_SWIGLU = _twice(_swiglu)
+
+
+def rms_norm(x, weight, eps, out):
+    _pick(_RMS_NORM, x.shape[0])(x, weight, np.float32(eps), out)
+
+
+def add_rms_norm(x, delta, weight, eps, out):
+    _pick(_ADD_RMS_NORM, x.shape[0])(x, delta, weight, np.float32(eps), out)
+
+
+def add_inplace(x, delta):
+    _pick(_ADD_INPLACE, x.shape[0])(x, delta)
+
+
+def rope_adjacent(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
+    _pick(_ROPE, qkv.shape[0])(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim)
+
+
+def swiglu(gate_up, out):
+    _pick(_SWIGLU, out.shape[0])(gate_up, out)
 
 
 @nb.njit(cache=True)

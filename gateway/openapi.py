@@ -1,0 +1,155 @@
+"""The gateway's OpenAPI 3.1 document, served at `/openapi.json`.
+
+Request schemas come from the msgspec Structs the gateway really decodes with
+(`gateway.openai_schema`), so the document cannot drift from the parser; response
+schemas are written out here. Range limits live in `gateway.validation` and are
+described, not encoded, so the document never promises more than the code checks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import msgspec
+
+import gateway
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{name}"
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": REF.format(name=name)}
+
+
+_NULLABLE_STR = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {
+    "description": "One prompt: text, token ids, or a one-element list of either.",
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+    ],
+}
+
+RESPONSE_SCHEMAS = {
+    "ErrorResponse": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": _NULLABLE_STR, "code": _NULLABLE_STR},
+        }},
+    },
+    "Usage": {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+                       "total_tokens": {"type": "integer"},
+                       "speculative": {"type": "object", "description": "num_drafts, num_draft_tokens, "
+                                       "num_accepted_tokens, mean_acceptance_length"}},
+    },
+    "Completion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": _ref("Usage"),
+            "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text", "finish_reason"],
+                                                   "properties": {"index": {"type": "integer"},
+                                                                  "text": {"type": "string"},
+                                                                  "logprobs": {}, "finish_reason": _NULLABLE_STR}}},
+        },
+    },
+    "ChatCompletion": {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": _ref("Usage"),
+            "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"],
+                                                   "properties": {"index": {"type": "integer"},
+                                                                  "message": {"type": "object"},
+                                                                  "logprobs": {}, "finish_reason": _NULLABLE_STR}}},
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                           "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}},
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status", "workers"],
+        "properties": {"status": {"type": "string"}, "workers": {"type": "integer"}},
+    },
+}
+
+SSE_DESCRIPTION = ("With `stream: true`: server-sent events `data: <chunk JSON>`, ending with `data: [DONE]`; "
+                   "an error after the stream started arrives as `data: {\"error\": {...}}` before `[DONE]`.")
+
+
+def _errors(*statuses: int) -> dict:
+    body = {"application/json": {"schema": _ref("ErrorResponse")}}
+    return {str(s): {"description": "OpenAI error body", "content": body} for s in statuses}
+
+
+def _generation(summary: str, request: str, response: str) -> dict:
+    return {"post": {
+        "summary": summary,
+        "security": [{"bearer": []}, {}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {"description": SSE_DESCRIPTION, "content": {
+                "application/json": {"schema": _ref(response)},
+                "text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 404, 413, 429, 503),
+        },
+    }}
+
+
+def _get(summary: str, schema: dict, *errors: int, content_type: str = "application/json", secured=False) -> dict:
+    op = {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": {content_type: {"schema": schema}}}, **_errors(*errors)}}
+    if secured:
+        op["security"] = [{"bearer": []}, {}]
+    return {"get": op}
+
+
+def _health() -> dict:
+    op = _get("200 when at least one engine worker is ready", _ref("Health"))
+    op["get"]["responses"]["503"] = {"description": "No engine worker is ready",
+                                     "content": {"application/json": {"schema": _ref("Health")}}}
+    return op
+
+
+@functools.cache
+def openapi_spec() -> dict:
+    """The document (built once; the Structs do not change at run time)."""
+    _, components = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest], ref_template=REF)
+    components["CompletionRequest"]["properties"]["prompt"] = PROMPT_SCHEMA
+    components["CompletionRequest"]["required"] = ["prompt"]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Speculant", "version": gateway.__version__,
+                 "description": "OpenAI-compatible completions served with speculative decoding. "
+                                "`security` applies only when SPECULANT_API_KEY is set."},
+        "paths": {
+            "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
+            "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
+            "/v1/models": _get("Served models", _ref("ModelList"), 401, secured=True),
+            "/health": _health(),
+            "/version": _get("Gateway version", {"type": "object", "properties": {"version": {"type": "string"}}}),
+            "/metrics": _get("Prometheus metrics", {"type": "string"}, content_type="text/plain"),
+            "/openapi.json": _get("This document", {"type": "object"}),
+        },
+        "components": {"schemas": {**components, **RESPONSE_SCHEMAS},
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

@@ -1,0 +1,207 @@
+"""The playground and the dashboard in a real headless Chromium, against a real gateway + worker.
+
+The browser tests skip cleanly when selenium, chromium or chromedriver are missing
+(Debian: `apt-get install chromium chromium-driver`; `pip install selenium`). Screenshots
+go to the test's temporary directory and, when $SPECULANT_SCREENSHOT_DIR is set, there too.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import time
+
+import pytest
+
+from gateway.pages import TokenRate, aggregate
+from test_serving import Cluster, http
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+# No internet here: without the background-networking flags chromium keeps dialling out.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--window-size=1280,900"]
+# A copy-heavy request: the n-gram proposer finds the answer in the prompt, so drafts are accepted.
+COPY_PROMPT = ("Fix the typo and return the whole sentence: The cat sat on the mat and looked out of the "
+               "windoow at the birds in the garden.")
+WAIT = 60  # s, generous: two CPU cores shared with other work
+
+try:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+except ImportError:
+    webdriver = None
+
+has_browser = webdriver is not None and os.path.isfile(CHROMIUM) and os.path.isfile(CHROMEDRIVER)
+needs_browser = pytest.mark.skipif(not has_browser, reason="needs selenium, chromium and chromedriver")
+
+
+# ---------------------------------------------------------------- stats aggregation (no server)
+
+
+def _worker(**stats) -> dict:
+    base = dict(num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=0, num_total_blocks=0,
+                num_preemptions=0, num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_pos=[],
+                prefix_cache_hits=0, prefix_cache_queries=0)
+    return {**base, **stats}
+
+
+def test_aggregate_sums_workers_and_follows_vllm_rates():
+    a = _worker(num_running=2, num_free_blocks=6, num_total_blocks=10, num_drafts=4, num_draft_tokens=12,
+                num_accepted_tokens=6, accepted_per_pos=[4, 2, 0])
+    b = _worker(num_waiting=1, num_free_blocks=10, num_total_blocks=10, num_drafts=6, num_draft_tokens=6,
+                num_accepted_tokens=3, accepted_per_pos=[3], prefix_cache_hits=1, prefix_cache_queries=4)
+    t = aggregate([a, b])
+    assert (t["num_workers"], t["num_running"], t["num_waiting"]) == (2, 2, 1)
+    assert t["kv_usage"] == pytest.approx(4 / 20)  # used blocks over all blocks
+    assert t["accepted_per_pos"] == [7, 2, 0]  # shorter lists pad with zeros
+    assert t["acceptance_rate"] == pytest.approx(9 / 18)
+    assert t["mean_acceptance_length"] == pytest.approx(1 + 9 / 10)
+    assert t["acceptance_per_pos"] == pytest.approx([0.7, 0.2, 0.0])
+    assert t["prefix_cache_hit_rate"] == pytest.approx(0.25)
+
+
+def test_aggregate_of_nothing_has_no_rates():
+    t = aggregate([_worker()])
+    assert t["acceptance_rate"] is None and t["mean_acceptance_length"] is None
+    assert t["acceptance_per_pos"] == [] and t["kv_usage"] == 0.0
+    assert aggregate([])["num_workers"] == 0
+
+
+def test_token_rate_uses_a_sliding_window():
+    rate = TokenRate(window=5.0)
+    assert rate.update(100.0, 0) == 0.0
+    assert rate.update(101.0, 50) == pytest.approx(50.0)
+    assert rate.update(102.0, 150) == pytest.approx(75.0)
+    assert rate.update(110.0, 150) == pytest.approx(0.0, abs=1e-9)  # old samples left the window
+    assert rate.update(111.0, 250) == pytest.approx(100.0)
+
+
+# ---------------------------------------------------------------- real servers
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_path):
+    c = Cluster(tmp_path_factory.mktemp("browser_servers"), model_path)
+    c.start("gateway", "gateway")
+    c.start_worker("w1")
+    try:
+        c.wait_workers(1)
+        yield c
+    finally:
+        c.stop_all()
+
+
+def test_stats_endpoint_reports_workers_and_tokens(cluster):
+    status, before, headers = http(f"{cluster.url}/v1/speculant/stats")
+    assert status == 200 and headers["Cache-Control"] == "no-store"
+    assert before["totals"]["num_workers"] == 1 and before["workers"][0]["worker_id"] == "w1"
+    status, reply, _ = http(f"{cluster.url}/v1/completions", {"prompt": "Hello", "max_tokens": 5, "temperature": 0})
+    assert status == 200
+    _, after, _ = http(f"{cluster.url}/v1/speculant/stats")
+    made = reply["usage"]["completion_tokens"]
+    assert after["gateway"]["generation_tokens"] - before["gateway"]["generation_tokens"] == made
+    assert after["gateway"]["num_requests_finished"] - before["gateway"]["num_requests_finished"] == 1
+    assert after["gateway"]["tokens_per_s"] >= 0
+    for path in ("/", "/playground", "/dashboard", "/static/playground.js", "/static/style.css"):
+        assert http(cluster.url + path)[0] == 200, path
+
+
+# ---------------------------------------------------------------- browser
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not has_browser:
+        pytest.skip("needs selenium, chromium and chromedriver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS + [f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"]:
+        options.add_argument(flag)
+    service = Service(executable_path=CHROMEDRIVER)  # an explicit path: selenium-manager never runs
+    driver = webdriver.Chrome(service=service, options=options)
+    driver.set_page_load_timeout(WAIT)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    """Saves a screenshot into the test's directory (and $SPECULANT_SCREENSHOT_DIR if set)."""
+    out = tmp_path_factory.mktemp("screenshots")
+    extra = os.environ.get("SPECULANT_SCREENSHOT_DIR")
+
+    def save(driver, name: str) -> pathlib.Path:
+        path = out / f"{name}.png"
+        assert driver.save_screenshot(str(path))
+        if extra:
+            pathlib.Path(extra).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, pathlib.Path(extra) / path.name)
+        return path
+
+    return save
+
+
+def wait_for(driver, condition, message: str):
+    return WebDriverWait(driver, WAIT, poll_frequency=0.2).until(lambda d: condition(d), message)
+
+
+def browser_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@needs_browser
+def test_playground_streams_coloured_tokens(browser, cluster, shots):
+    browser.get(cluster.url + "/")
+    assert browser.title == "Speculant playground"
+    wait_for(browser, lambda d: "SmolLM2" in d.find_element(By.ID, "model-name").text, "model name not shown")
+    max_tokens = browser.find_element(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("48")
+    browser.find_element(By.ID, "prompt").send_keys(COPY_PROMPT)
+    browser.find_element(By.ID, "send").click()
+    stats = wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".answer-stats[data-done='1']"),
+                     "the answer did not finish")[0]
+    assert browser.find_element(By.ID, "error").get_attribute("class") == "error hidden"
+    drafted = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok.draft")
+    target = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok.target")
+    assert drafted and target  # both provenance colours on screen
+    assert int(stats.get_attribute("data-accepted")) > 0 and "accepted" in stats.text
+    # The spans spell the answer, and it is the same text a plain (non-provenance) client gets.
+    answer = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .body").get_attribute("textContent")
+    status, plain, _ = http(f"{cluster.url}/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": COPY_PROMPT}], "max_tokens": 48,
+                             "temperature": 0})
+    assert status == 200 and "speculant" not in plain  # the extension is opt-in
+    assert answer == plain["choices"][0]["message"]["content"]
+    colours = {browser.execute_script("return getComputedStyle(arguments[0]).backgroundColor", el)
+               for el in (drafted[0], target[0])}
+    assert len(colours) == 2  # the two kinds really look different
+    shots(browser, "playground")
+    assert browser_errors(browser) == []
+
+
+@needs_browser
+def test_dashboard_numbers_change_after_requests(browser, cluster, shots):
+    browser.get(cluster.url + "/dashboard")
+    wait_for(browser, lambda d: d.find_element(By.ID, "num-workers").text == "1", "dashboard shows no worker")
+    generated = browser.find_element(By.ID, "generation-tokens")
+    before = int(generated.text)
+    body = {"messages": [{"role": "user", "content": COPY_PROMPT}], "max_tokens": 32, "temperature": 0}
+    status, reply, _ = http(f"{cluster.url}/v1/chat/completions", body)
+    assert status == 200 and reply["usage"]["speculative"]["num_accepted_tokens"] > 0
+    made = reply["usage"]["completion_tokens"]
+    wait_for(browser, lambda d: int(generated.text) >= before + made, "generated tokens did not grow")
+    assert int(generated.text) == before + made
+    wait_for(browser, lambda d: d.find_element(By.ID, "acceptance-rate").text.endswith("%"),
+             "no acceptance rate")  # the worker's next heartbeat carries the drafts
+    bars = browser.find_elements(By.CSS_SELECTOR, "#per-pos .bar")
+    assert len(bars) == 3  # one per draft position (k = 3)
+    assert browser.find_element(By.CSS_SELECTOR, "#workers td").text == "w1"
+    time.sleep(1.2)  # one more poll, so the tokens/s chart has a few bars
+    shots(browser, "dashboard")
+    assert browser_errors(browser) == []
