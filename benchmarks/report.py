@@ -16,7 +16,9 @@ import pathlib
 COPY_HEAVY = ("code_edit",)
 REPEATED = ("agent_json",)
 _SUMMED = ("num_prompts", "output_tokens", "wall_s", "engine_steps", "request_steps", "num_drafts",
-           "num_draft_tokens", "num_accepted_tokens", "propose_s", "forward_s", "tpot_s_sum", "tpot_count")
+           "num_draft_tokens", "num_accepted_tokens", "num_asks", "num_allowed_tokens", "propose_s", "forward_s",
+           "tpot_s_sum", "tpot_count")
+_LISTS = ("accepted_per_pos", "drafted_per_pos", "reached_per_pos")
 
 
 def _ratio(a, b):
@@ -25,9 +27,9 @@ def _ratio(a, b):
 
 def _sum_raw(raws: list[dict]) -> dict:
     out = {k: sum(r[k] for r in raws) for k in _SUMMED}
-    width = max((len(r["accepted_per_pos"]) for r in raws), default=0)
-    out["accepted_per_pos"] = [sum(r["accepted_per_pos"][i] for r in raws if i < len(r["accepted_per_pos"]))
-                               for i in range(width)]
+    for key in _LISTS:
+        width = max((len(r[key]) for r in raws), default=0)
+        out[key] = [sum(r[key][i] for r in raws if i < len(r[key])) for i in range(width)]
     out["token_ids"] = {k: v for r in raws for k, v in r["token_ids"].items()}
     return out
 
@@ -45,6 +47,12 @@ def derive(raw: dict, base: dict) -> dict:
         "tokens_per_step": _ratio(raw["output_tokens"], raw["request_steps"]),
         "draft_acceptance_rate": _ratio(raw["num_accepted_tokens"], raw["num_draft_tokens"]),
         "acceptance_per_pos": [x / num_drafts for x in raw["accepted_per_pos"]] if num_drafts else [],
+        # P(token i accepted | the draft has a token i and tokens 0..i-1 were accepted): draft length factored out
+        "conditional_acceptance_per_pos": [
+            a / d if d else None for a, d in zip(raw["accepted_per_pos"], raw["reached_per_pos"])],
+        "mean_draft_len": _ratio(raw["num_draft_tokens"], num_drafts),
+        "mean_allowed_k": _ratio(raw["num_allowed_tokens"], raw["num_asks"]),
+        "draft_step_share": _ratio(num_drafts, raw["request_steps"]),
         "tok_s": tok_s,
         "speedup": _ratio(tok_s, base_tok_s) if tok_s is not None else None,
         "tpot_ms": 1000 * raw["tpot_s_sum"] / raw["tpot_count"] if raw["tpot_count"] else None,
@@ -56,7 +64,7 @@ def derive(raw: dict, base: dict) -> dict:
         "other_ms_per_step": _ms(raw["wall_s"] - raw["forward_s"] - raw["propose_s"], steps),
         "proposer_share": _ratio(raw["propose_s"], raw["wall_s"]),
         **{k: raw[k] for k in _SUMMED if k not in ("tpot_s_sum", "tpot_count")},
-        "accepted_per_pos": raw["accepted_per_pos"],
+        **{k: raw[k] for k in _LISTS},
     }
 
 
@@ -176,12 +184,22 @@ def format_markdown(result: dict) -> str:
         rows = [r for r in result["rows"] if r["mode"] == mode]
         lines += ["", f"## {_mode_title(result, mode)}", ""]
         lines += _md_table([c for c, _ in COLUMNS], [_cells(r) for r in rows])
-        lines += ["", "Per-position acceptance and where a step's time goes (ms per engine step):", ""]
-        lines += _md_table(["category", "method", "acceptance per position", "forward", "propose", "other", "TPOT ms"],
-                           [[r["category"], r["method"], " ".join(f"{x:.2f}" for x in r["acceptance_per_pos"]) or "-",
-                             _f(r["forward_ms_per_step"]), _f(r["propose_ms_per_step"], "{:.3f}"),
-                             _f(r["other_ms_per_step"]), _f(r["tpot_ms"])] for r in rows])
+        lines += ["", "Drafting detail: k the controller allowed per drafting step, mean draft length, share of "
+                  "request steps with drafts, acceptance per position (vLLM's: / drafts) and conditional on the "
+                  "position being reached; where an engine step's time goes (ms).", ""]
+        lines += _md_table(["category", "method", "k allowed", "draft len", "drafted steps", "acceptance per position",
+                            "conditional", "forward", "propose", "other", "TPOT ms"], [_detail_cells(r) for r in rows])
     return "\n".join(lines) + "\n"
+
+
+def _detail_cells(r: dict) -> list[str]:
+    def seq(xs):
+        return " ".join(_f(x) for x in xs) or "-"
+
+    return [r["category"], r["method"], _f(r["mean_allowed_k"]), _f(r["mean_draft_len"]),
+            _f(r["draft_step_share"], "{:.0%}"), seq(r["acceptance_per_pos"]), seq(r["conditional_acceptance_per_pos"]),
+            _f(r["forward_ms_per_step"]), _f(r["propose_ms_per_step"], "{:.3f}"), _f(r["other_ms_per_step"]),
+            _f(r["tpot_ms"])]
 
 
 def write_all(result: dict, out_dir: str | pathlib.Path) -> list[pathlib.Path]:

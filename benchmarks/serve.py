@@ -11,9 +11,11 @@ in this process, in waves of `level` requests, and the difference in wall time p
 token is the serving stack's overhead (HTTP, JSON, SSE, ZeroMQ, the gateway's event loop).
 
 Fairness: greedy decoding with `ignore_eos`, so every request makes exactly `--max-tokens`
-tokens in both modes; both modes are warmed up on every prompt first (JIT, prefix cache);
-the servers are stopped before the direct engine is built, so the two never share the CPU.
-The load generator runs on the same machine as the servers and takes some of its CPU.
+tokens in both modes (and, the engine being batch-invariant, the same tokens: reported as
+`same_output_fraction`); both modes are warmed up on every prompt first (JIT, prefix cache);
+per level the HTTP run and the direct run go back to back, so drifting background load hits
+both alike, and never at the same time (the idle worker only sends heartbeats). The load
+generator runs on the same machine as the servers and takes some of its CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import os
 import sys
 import time
 from types import SimpleNamespace
+
+import msgspec
 
 from benchmarks.prompts import builtin_prompts, load_prompts
 from benchmarks.serve_load import run_level, summarize
@@ -88,40 +92,50 @@ def http_params(args) -> dict:
     return {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True}
 
 
-async def http_sweep(url: str, prompts, levels: list[int], args) -> list[dict]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    params = http_params(args)
-    await run_level(url, prompts, len(prompts), len(prompts), {**params, "max_tokens": 4}, headers)  # warm-up
-    results = []
-    for level in levels:
-        records, wall = await run_level(url, prompts, level, args.requests, params, headers)
-        row = {"concurrency": level, **summarize(records, wall)}
-        row["_token_ids"] = [r.token_ids for r in records]
-        results.append(row)
-        print(f"  http  c={level:<3} {row['output_tokens_per_s']} tok/s, {row['num_errors']} errors", file=sys.stderr)
-    return results
+def auth_headers(args) -> dict:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-def direct_sweep(args, levels: list[int], prompts) -> list[dict]:
-    """The same requests through `engine.generate.generate`, `level` at a time."""
-    from engine.generate import generate
-    from engine.llm_engine import LLMEngine
+async def http_level(url: str, prompts, level: int, args) -> dict:
+    records, wall = await run_level(url, prompts, level, args.requests, http_params(args), auth_headers(args))
+    row = {"concurrency": level, **summarize(records, wall), "_token_ids": [r.token_ids for r in records]}
+    print(f"  http   c={level:<3} {row['output_tokens_per_s']} tok/s, {row['num_errors']} errors", file=sys.stderr)
+    return row
 
-    engine = LLMEngine.from_args(engine_args(args, levels))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
-    generate(engine, list(prompts), SamplingParams(max_tokens=4, temperature=args.temperature, ignore_eos=True))
-    results = []
-    for level in levels:
-        batch = [list(prompts[i % len(prompts)]) for i in range(args.requests)]
+
+async def http_warmup(url: str, prompts, args) -> None:
+    """Every prompt once: JIT-compiled paths and prompt KV in the prefix cache, as the direct engine gets."""
+    params = {**http_params(args), "max_tokens": 4}
+    await run_level(url, prompts, len(prompts), len(prompts), params, auth_headers(args))
+
+
+class Direct:
+    """The same requests through `engine.generate.generate`, `level` at a time, in this process."""
+
+    def __init__(self, args, levels: list[int], prompts):
+        from engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine.from_args(engine_args(args, levels))
+        self.prompts, self.num_requests = prompts, args.requests
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+        self._generate(list(prompts), msgspec.structs.replace(self.params, max_tokens=4))  # warm-up
+
+    def _generate(self, prompts, params):
+        from engine.generate import generate
+
+        return generate(self.engine, [list(p) for p in prompts], params)
+
+    def level(self, level: int) -> dict:
+        batch = [self.prompts[i % len(self.prompts)] for i in range(self.num_requests)]
         outputs, start = [], time.perf_counter()
         for lo in range(0, len(batch), level):
-            outputs += generate(engine, batch[lo:lo + level], params)
+            outputs += self._generate(batch[lo:lo + level], self.params)
         wall = time.perf_counter() - start
         num_tokens = sum(len(c.token_ids) for c in outputs)
-        results.append({"wall_s": round(wall, 4), "num_output_tokens": num_tokens,
-                        "output_tokens_per_s": round(num_tokens / wall, 3), "_token_ids": [c.token_ids for c in outputs]})
-        print(f"  direct c={level:<3} {results[-1]['output_tokens_per_s']} tok/s", file=sys.stderr)
-    return results
+        row = {"wall_s": round(wall, 4), "num_output_tokens": num_tokens,
+               "output_tokens_per_s": round(num_tokens / wall, 3), "_token_ids": [c.token_ids for c in outputs]}
+        print(f"  direct c={level:<3} {row['output_tokens_per_s']} tok/s", file=sys.stderr)
+        return row
 
 
 def compare(http_row: dict, direct_row: dict) -> dict:
@@ -136,39 +150,57 @@ def compare(http_row: dict, direct_row: dict) -> dict:
             "same_output_fraction": round(same / max(len(http_row["_token_ids"]), 1), 4)}
 
 
+def _cell(x, spec: str = "{:.1f}") -> str:
+    return "–" if x is None else spec.format(x)
+
+
+def _pair(row: dict, key: str) -> str:
+    return f"{_cell(row[key]['p50'])} / {_cell(row[key]['p99'])}"
+
+
 def format_table(rows: list[dict]) -> str:
     head = ("clients", "reqs", "TTFT p50/p99 ms", "ITL/chunk p50/p99 ms", "ITL/token p50/p99 ms", "tok/chunk",
             "tok/s http", "tok/s direct", "overhead ms/tok", "AL")
     lines = [" | ".join(head), " | ".join("-" * len(h) for h in head)]
-    f = lambda x, spec="{:.1f}": "–" if x is None else spec.format(x)  # noqa: E731
     for r in rows:
-        pair = lambda key: f"{f(r[key]['p50'])} / {f(r[key]['p99'])}"  # noqa: E731
         cells = (str(r["concurrency"]), f"{r['num_requests'] - r['num_errors']}/{r['num_requests']}",
-                 pair("ttft_ms"), pair("itl_chunk_ms"), pair("itl_token_ms"), f(r["tokens_per_chunk"], "{:.2f}"),
-                 f(r["output_tokens_per_s"]), f(r.get("direct_output_tokens_per_s")),
-                 f(r.get("overhead_ms_per_token"), "{:.2f}"), f(r["mean_acceptance_length"], "{:.2f}"))
+                 _pair(r, "ttft_ms"), _pair(r, "itl_chunk_ms"), _pair(r, "itl_token_ms"),
+                 _cell(r["tokens_per_chunk"], "{:.2f}"), _cell(r["output_tokens_per_s"]),
+                 _cell(r.get("direct_output_tokens_per_s")), _cell(r.get("overhead_ms_per_token"), "{:.2f}"),
+                 _cell(r["mean_acceptance_length"], "{:.2f}"))
         lines.append(" | ".join(cells))
     return "\n".join(lines)
+
+
+def sweep(url: str, args, levels: list[int], prompts) -> list[dict]:
+    """Per level, HTTP then direct back to back, so a change in background load hits both alike."""
+    direct = None if args.no_direct else Direct(args, levels, prompts)
+    asyncio.run(http_warmup(url, prompts, args))
+    rows = []
+    for level in levels:
+        wait_ready(url, timeout=60)  # a worker dropped by the gateway comes back on its own
+        row = asyncio.run(http_level(url, prompts, level, args))
+        if direct is not None:
+            row.update(compare(row, direct.level(level)))
+            if args.temperature > 0:
+                row["same_output_fraction"] = None  # sampled outputs differ run to run
+        row.pop("_token_ids")
+        rows.append(row)
+    return rows
 
 
 def run(args, levels: list[int], prompts) -> dict:
     load_before = os.getloadavg()
     if args.url:
         wait_ready(args.url, timeout=30)
-        rows = asyncio.run(http_sweep(args.url.rstrip("/"), prompts, levels, args))
+        rows = sweep(args.url.rstrip("/"), args, levels, prompts)
     else:
         with LocalServers(engine_args(args, levels), args.log_dir) as servers:
-            rows = asyncio.run(http_sweep(servers.url, prompts, levels, args))
-    if not args.no_direct:
-        for row, direct in zip(rows, direct_sweep(args, levels, prompts)):
-            row.update(compare(row, direct))
-            if args.temperature > 0:
-                row["same_output_fraction"] = None  # sampled outputs differ run to run
-    for row in rows:
-        row.pop("_token_ids")
+            rows = sweep(servers.url, args, levels, prompts)
     settings = {k: getattr(args, k) for k in ("url", "model", "requests", "max_tokens", "temperature",
                                               "speculative_config", "threads", "max_model_len", "prompts")}
-    machine = {"cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in load_before]}
+    machine = {"cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in load_before],
+               "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     return {"settings": {**settings, "levels": levels, "num_prompts": len(prompts), "ignore_eos": True},
             "machine": machine, "levels": rows}
 

@@ -51,7 +51,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: dict, head
             async for line in resp.content:
                 if line.startswith(b"data: {"):
                     _on_event(record, json.loads(line[6:]), time.perf_counter())
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.end = time.perf_counter()
     return record
@@ -105,6 +105,11 @@ def percentiles(values, qs=(50, 99)) -> list[float | None]:
     return [float(v) for v in np.percentile(np.asarray(values, dtype=np.float64), qs)]
 
 
+def _p50_p99_ms(seconds) -> dict:
+    p50, p99 = percentiles(seconds)
+    return {"p50": None if p50 is None else round(1000 * p50, 3), "p99": None if p99 is None else round(1000 * p99, 3)}
+
+
 def summarize(records: list[RequestRecord], wall: float) -> dict:
     """Latency percentiles in milliseconds and throughput over the level's wall time."""
     ok = [r for r in records if r.error is None]
@@ -120,7 +125,6 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
     num_drafts = sum(r.num_drafts for r in ok)
     num_accepted = sum(r.num_accepted_tokens for r in ok)
     num_chunks = sum(len(r.chunk_tokens) for r in ok)
-    ms = lambda xs: [None if x is None else round(1000 * x, 3) for x in percentiles(xs)]  # noqa: E731
     return {
         "num_requests": len(records),
         "num_errors": len(records) - len(ok),
@@ -132,9 +136,9 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
         "tokens_per_chunk": round(num_tokens / num_chunks, 4) if num_chunks else None,
         "output_tokens_per_s": round(num_tokens / wall, 3) if wall > 0 else None,
         "requests_per_s": round(len(ok) / wall, 4) if wall > 0 else None,
-        "ttft_ms": dict(zip(("p50", "p99"), ms(ttft))),
-        "itl_chunk_ms": dict(zip(("p50", "p99"), ms(itl_chunk))),
-        "itl_token_ms": dict(zip(("p50", "p99"), ms(itl_token))),
+        "ttft_ms": _p50_p99_ms(ttft),
+        "itl_chunk_ms": _p50_p99_ms(itl_chunk),
+        "itl_token_ms": _p50_p99_ms(itl_token),
         "num_drafts": num_drafts,
         "num_draft_tokens": sum(r.num_draft_tokens for r in ok),
         "num_accepted_tokens": num_accepted,

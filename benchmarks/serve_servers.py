@@ -13,9 +13,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import Self
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 START_TIMEOUT = 300.0  # s: model load + JIT warm-up on a cold cache
+KEEP_ENV = ("SPECULANT_API_KEY", "SPECULANT_LOG_LEVEL", "SPECULANT_WORKER_TIMEOUT")
+# A long prefill step on a busy machine can outlast the gateway's default 5 s heartbeat timeout;
+# a benchmark measures throughput, so it should not lose its only worker to that.
+WORKER_TIMEOUT = "60"
 
 
 def free_port() -> int:
@@ -57,9 +62,12 @@ class LocalServers:
         self.procs: list[subprocess.Popen] = []
 
     def _env(self) -> dict:
+        """Our flags define the servers: other SPECULANT_* settings (engine defaults) are not inherited."""
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("SPECULANT_") or k in KEEP_ENV}
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "SPECULANT_PORT": str(self.port),
-                "SPECULANT_ENGINE_ENDPOINT": f"tcp://127.0.0.1:{self.zmq_port}", "SPECULANT_MAX_PENDING": "4096"}
+        return {"SPECULANT_WORKER_TIMEOUT": WORKER_TIMEOUT, **inherited, "PYTHONPATH": path,
+                "PYTHONUNBUFFERED": "1", "SPECULANT_PORT": str(self.port), "SPECULANT_MAX_PENDING": "4096",
+                "SPECULANT_ENGINE_ENDPOINT": f"tcp://127.0.0.1:{self.zmq_port}"}
 
     def _worker_flags(self) -> list[str]:
         a = self.engine_args
@@ -76,7 +84,7 @@ class LocalServers:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.cli", name, *args], env=self._env(),
                                                cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
 
-    def __enter__(self) -> LocalServers:
+    def __enter__(self) -> Self:
         try:
             self._start("gateway", [])
             self._start("engine", self._worker_flags())

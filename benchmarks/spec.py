@@ -115,7 +115,8 @@ def drive(engine, prompts: list[BenchPrompt], params: SamplingParams) -> list[di
     for p in prompts:
         rid = f"bench-{p.prompt_id}-{time.perf_counter_ns()}"
         engine.add_request(Generate(rid, params, messages=list(p.messages)))
-        reqs[rid] = {"prompt_id": p.prompt_id, "token_ids": [], "num_steps": 0, "first_s": None, "done_s": None}
+        reqs[rid] = {"prompt_id": p.prompt_id, "token_ids": [], "num_steps": 0, "first_s": None, "done_s": None,
+                     "drafts": [], "seen": (0, 0, 0)}
     while engine.has_unfinished():
         outs = engine.step()
         now = time.perf_counter() - start
@@ -123,6 +124,10 @@ def drive(engine, prompts: list[BenchPrompt], params: SamplingParams) -> list[di
             r = reqs[out.request_id]
             r["token_ids"] += out.token_ids
             r["num_steps"] += 1
+            seen = (out.num_drafts, out.num_draft_tokens, out.num_accepted_tokens)
+            if seen[0] > r["seen"][0]:  # this step verified drafts: (draft length, accepted)
+                r["drafts"].append((seen[1] - r["seen"][1], seen[2] - r["seen"][2]))
+            r["seen"] = seen
             if r["first_s"] is None:
                 r["first_s"] = now
             if out.finish_reason is not None:

@@ -21,23 +21,38 @@ class BlockTimers:
     num_propose_calls: int = 0
     forward_s: float = 0.0
     num_forwards: int = 0  # = engine steps that ran the model
+    num_asks: int = 0  # (request, step) pairs the controller let draft
+    num_allowed_tokens: int = 0  # sum of their max_draft_tokens: the controller's k
     counters: dict = field(default_factory=dict)  # engine.totals diff
     accepted_per_pos: list[int] = field(default_factory=list)  # [K] diff
 
 
-def _timed(fn, timers: BlockTimers, kind: str):
-    def wrapper(*args, **kwargs):
+def _timed_forward(fn, timers: BlockTimers):
+    def forward(batch):
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            return fn(batch)
         finally:
-            setattr(timers, f"{kind}_s", getattr(timers, f"{kind}_s") + time.perf_counter() - start)
-            if kind == "propose":
-                timers.num_propose_calls += 1
-            else:
-                timers.num_forwards += 1
+            timers.forward_s += time.perf_counter() - start
+            timers.num_forwards += 1
 
-    return wrapper
+    return forward
+
+
+def _timed_propose(fn, timers: BlockTimers):
+    """Times the call and records how many draft tokens the controller allowed."""
+    def propose(requests):
+        start = time.perf_counter()
+        try:
+            drafts = fn(requests)
+        finally:
+            timers.propose_s += time.perf_counter() - start
+            timers.num_propose_calls += 1
+        timers.num_asks += len(requests)
+        timers.num_allowed_tokens += sum(r.max_draft_tokens for r in requests)
+        return drafts
+
+    return propose
 
 
 @contextmanager
@@ -47,8 +62,8 @@ def instrument(engine):
     per_pos_before = engine.accepted_per_pos.copy()
     proposer, runner = engine.proposer, engine.runner
     if proposer is not None:
-        proposer.propose = _timed(proposer.propose, timers, "propose")
-    runner.forward = _timed(runner.forward, timers, "forward")
+        proposer.propose = _timed_propose(proposer.propose, timers)
+    runner.forward = _timed_forward(runner.forward, timers)
     try:
         yield timers
     finally:
@@ -73,6 +88,7 @@ def block_raw(results: list[dict], wall_s: float, timers: BlockTimers) -> dict:
     tpots = [(r["done_s"] - r["first_s"]) / (len(r["token_ids"]) - 1)
              for r in results if len(r["token_ids"]) > 1 and r["done_s"] is not None]
     c = timers.counters
+    drafted, reached = _per_pos([d for r in results for d in r["drafts"]])
     return {
         "num_prompts": len(results),
         "output_tokens": sum(len(r["token_ids"]) for r in results),
@@ -83,9 +99,25 @@ def block_raw(results: list[dict], wall_s: float, timers: BlockTimers) -> dict:
         "num_draft_tokens": c.get("num_draft_tokens", 0),
         "num_accepted_tokens": c.get("num_accepted_tokens", 0),
         "accepted_per_pos": timers.accepted_per_pos,
+        "num_asks": timers.num_asks,
+        "num_allowed_tokens": timers.num_allowed_tokens,
+        "drafted_per_pos": drafted,
+        "reached_per_pos": reached,
         "propose_s": timers.propose_s,
         "forward_s": timers.forward_s,
         "tpot_s_sum": float(np.sum(tpots)) if tpots else 0.0,
         "tpot_count": len(tpots),
         "token_ids": {r["prompt_id"]: r["token_ids"] for r in results},
     }
+
+
+def _per_pos(drafts: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """From (draft length, accepted) per verify step: [i] = drafts longer than i, and of those
+    the ones whose first i tokens were all accepted (so position i was actually put to the test)."""
+    width = max((n for n, _ in drafts), default=0)
+    drafted, reached = [0] * width, [0] * width
+    for n, a in drafts:
+        for i in range(n):
+            drafted[i] += 1
+            reached[i] += a >= i
+    return drafted, reached

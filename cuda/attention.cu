@@ -16,11 +16,20 @@
 #define ROWS_PER_WARP 4
 #define MAX_ROWS (ATTN_WARPS * ROWS_PER_WARP)  // query vectors per block: q_tile * group <= 16
 
-template <int HD, typename T>
+// VEC cache elements (16 aligned bytes: head_dim * sizeof(KV) is a multiple of 16) -> float.
+template <typename KV, int VEC>
+__device__ __forceinline__ void load_vec(const KV* __restrict__ src, float (&dst)[VEC]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const KV* e = reinterpret_cast<const KV*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) dst[i] = to_f32(e[i]);
+}
+
+template <int HD, typename T, typename KV>
 __device__ void append_attention(
     const float* __restrict__ qkv,        // [B, (num_heads + 2 * num_kv_heads) * HD], q rotated
-    const __half* __restrict__ k_cache,   // [num_blocks, block_size, num_kv_heads, HD] (one layer)
-    const __half* __restrict__ v_cache,
+    const KV* __restrict__ k_cache,       // [num_blocks, block_size, num_kv_heads, HD] (one layer)
+    const KV* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ positions, const int* __restrict__ sizes,
     const int* __restrict__ tile_req, const int* __restrict__ tile_tok0, const int* __restrict__ tile_ntok,
     int max_blocks_per_seq, int num_heads, int num_kv_heads, int block_size, int partition_size,
@@ -29,7 +38,8 @@ __device__ void append_attention(
     float* __restrict__ part_acc,         // [B, num_heads, max_splits, HD]
     float* __restrict__ part_ml)          // [B, num_heads, max_splits, 2] (max, sum)
 {
-    constexpr int DPL = HD / 32;  // output dims per lane
+    constexpr int DPL = HD / 32;              // output dims per lane
+    constexpr int VEC = 16 / (int)sizeof(KV);  // cache elements per 16-byte load
     __shared__ float q_s[MAX_ROWS][HD];
     __shared__ float k_s[KEY_TILE][HD + 1];  // +1: lane j reads row j without bank conflicts
     __shared__ float v_s[KEY_TILE][HD];
@@ -62,16 +72,23 @@ __device__ void append_attention(
     const size_t slot_stride = (size_t)num_kv_heads * HD;
     for (int k0 = k_begin; k0 < k_end; k0 += KEY_TILE) {
         __syncthreads();  // q_s written / the previous key tile consumed
-        for (int idx = threadIdx.x; idx < KEY_TILE * HD; idx += blockDim.x) {
-            const int j = idx / HD, d = idx % HD, key = k0 + j;
-            float kv = 0.0f, vv = 0.0f;
+        for (int idx = threadIdx.x; idx < KEY_TILE * HD / VEC; idx += blockDim.x) {  // 16-byte loads
+            const int j = idx / (HD / VEC), d0 = (idx % (HD / VEC)) * VEC, key = k0 + j;
+            float kf[VEC], vf[VEC];
             if (key < k_end) {
                 const size_t slot = (size_t)table[key / block_size] * block_size + key % block_size;
-                kv = __half2float(k_cache[slot * slot_stride + kvh * HD + d]);
-                vv = __half2float(v_cache[slot * slot_stride + kvh * HD + d]);
+                const size_t off = slot * slot_stride + kvh * HD + d0;
+                load_vec<KV, VEC>(k_cache + off, kf);
+                load_vec<KV, VEC>(v_cache + off, vf);
+            } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) kf[e] = vf[e] = 0.0f;
             }
-            k_s[j][d] = kv;
-            v_s[j][d] = vv;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                k_s[j][d0 + e] = kf[e];
+                v_s[j][d0 + e] = vf[e];
+            }
         }
         __syncthreads();
 #pragma unroll
@@ -150,17 +167,18 @@ __device__ void attention_merge(const int* __restrict__ positions, const int* __
     out[(size_t)t * num_heads * HD + h * HD + d] = from_f32<T>(acc / denom);
 }
 
-#define STAMP_ATTENTION(HD, SUFFIX, T)                                                               \
+// KV is the cache type: float in the float32 build (so it matches the CPU runner), fp16 otherwise.
+#define STAMP_ATTENTION(HD, SUFFIX, T, KV)                                                           \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) append_attention_hd##HD##_##SUFFIX( \
-        const float* qkv, const __half* k_cache, const __half* v_cache, const int* block_tables,     \
+        const float* qkv, const KV* k_cache, const KV* v_cache, const int* block_tables,             \
         const int* positions, const int* sizes, const int* tile_req, const int* tile_tok0,           \
         const int* tile_ntok, int max_blocks_per_seq, int num_heads, int num_kv_heads,               \
         int block_size, int partition_size, int max_splits, float scale, T* out, float* part_acc,    \
         float* part_ml) {                                                                            \
-        append_attention<HD, T>(qkv, k_cache, v_cache, block_tables, positions, sizes, tile_req,     \
-                                tile_tok0, tile_ntok, max_blocks_per_seq, num_heads, num_kv_heads,   \
-                                block_size, partition_size, max_splits, scale, out, part_acc,        \
-                                part_ml);                                                            \
+        append_attention<HD, T, KV>(qkv, k_cache, v_cache, block_tables, positions, sizes, tile_req, \
+                                    tile_tok0, tile_ntok, max_blocks_per_seq, num_heads,             \
+                                    num_kv_heads, block_size, partition_size, max_splits, scale,     \
+                                    out, part_acc, part_ml);                                         \
     }                                                                                                \
     extern "C" __global__ void attention_merge_hd##HD##_##SUFFIX(                                    \
         const int* positions, const int* sizes, const float* part_acc, const float* part_ml,         \
@@ -169,9 +187,9 @@ __device__ void attention_merge(const int* __restrict__ positions, const int* __
                                max_splits, out);                                                     \
     }
 
-STAMP_ATTENTION(64, f32, float)
-STAMP_ATTENTION(64, f16, __half)
-STAMP_ATTENTION(64, bf16, __nv_bfloat16)
-STAMP_ATTENTION(128, f32, float)
-STAMP_ATTENTION(128, f16, __half)
-STAMP_ATTENTION(128, bf16, __nv_bfloat16)
+STAMP_ATTENTION(64, f32, float, float)
+STAMP_ATTENTION(64, f16, __half, __half)
+STAMP_ATTENTION(64, bf16, __nv_bfloat16, __half)
+STAMP_ATTENTION(128, f32, float, float)
+STAMP_ATTENTION(128, f16, __half, __half)
+STAMP_ATTENTION(128, bf16, __nv_bfloat16, __half)

@@ -50,22 +50,34 @@ template <typename V> __device__ V block_sum(V v, V* red) {
     return total;
 }
 
-// Running sums over threads in thread order: prefix[t] = own_0 + ... + own_{t-1}, added one by
-// one by a single thread, so prefix[] is exactly monotone for non-negative parts (a parallel scan
-// adds in a different tree per lane and can be off by an ulp either way). `prefix` is shared
-// scratch of blockDim.x + 1 elements; prefix[blockDim.x] is the block total.
-template <typename V> __device__ void block_prefix(V own, V* prefix) {
-    prefix[threadIdx.x + 1] = own;
+// Running sums over threads in thread order, in parallel (warp scans, then the warp totals added
+// one by one): thread t gets lo = own_0 + ... + own_{t-1} and hi = lo + own_t as computed, where
+// t's hi is bitwise the lo of thread t + 1. Rounding may differ from a sequential sum, but the
+// chain of [lo, hi) intervals has no gap or overlap, so "the first thread whose hi crosses x" is
+// well defined and its lo does not cross. `scratch`: shared, >= 33 elements; blockDim % 32 == 0.
+template <typename V> __device__ void block_scan(V own, V* scratch, V* lo, V* hi) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = (blockDim.x + 31) >> 5;
+    V incl = own;
+    for (int d = 1; d < 32; d <<= 1) {
+        const V up = __shfl_up_sync(FULL_MASK, incl, d);
+        if (lane >= d) incl += up;
+    }
+    V excl = __shfl_up_sync(FULL_MASK, incl, 1);
+    if (lane == 0) excl = V(0);
+    if (lane == 31) scratch[warp] = incl;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {  // warp bases: base_{w+1} = base_w + total_w, the same op as a lane-31 hi
         V run = V(0);
-        prefix[0] = run;
-        for (int t = 1; t <= (int)blockDim.x; ++t) {
-            run += prefix[t];
-            prefix[t] = run;
+        for (int w = 0; w < num_warps; ++w) {
+            const V total = scratch[w];
+            scratch[w] = run;
+            run = run + total;
         }
     }
     __syncthreads();
+    *lo = scratch[warp] + excl;
+    *hi = scratch[warp] + incl;
+    __syncthreads();  // scratch may be reused right away
 }
 
 // Orders floats as unsigned ints: a > b  <=>  float_key(a) > float_key(b) (NaN aside).

@@ -142,13 +142,12 @@ STAMP_OPS(bf16, __nv_bfloat16)
 // RoPE on adjacent pairs (2i, 2i+1) of the q and k heads (GGUF's permuted Q/K rows), then the
 // rotated k and the v of each token go to its cache slot. q is rotated in place in qkv (float32).
 // qkv: [B, (num_heads + 2 * num_kv_heads) * head_dim]; cos/sin: [max_pos, rope_dim / 2];
-// k_cache/v_cache (one layer): [num_blocks, block_size, num_kv_heads, head_dim] half.
-extern "C" __global__ void rope_write_kv(
-    float* __restrict__ qkv, const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-    const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-    __half* __restrict__ k_cache, __half* __restrict__ v_cache,
-    int num_heads, int num_kv_heads, int head_dim, int rope_dim)
-{
+// k_cache/v_cache (one layer): [num_blocks, block_size, num_kv_heads, head_dim] of KV.
+template <typename KV>
+__device__ void rope_write_kv(float* __restrict__ qkv, const int* __restrict__ positions,
+                              const int* __restrict__ slot_mapping, const float* __restrict__ cos_table,
+                              const float* __restrict__ sin_table, KV* __restrict__ k_cache,
+                              KV* __restrict__ v_cache, int num_heads, int num_kv_heads, int head_dim, int rope_dim) {
     const int t = blockIdx.x, pos = positions[t];
     if (pos < 0) return;  // padding row
     const int half_hd = head_dim / 2, half_rope = rope_dim / 2;
@@ -171,9 +170,22 @@ extern "C" __global__ void rope_write_kv(
         } else {
             const bool is_k = h < num_heads + num_kv_heads;
             const int kvh = is_k ? h - num_heads : h - num_heads - num_kv_heads;
-            __half* dst = (is_k ? k_cache : v_cache) + (slot * num_kv_heads + kvh) * head_dim + 2 * c;
-            dst[0] = __float2half_rn(a);
-            dst[1] = __float2half_rn(b);
+            KV* dst = (is_k ? k_cache : v_cache) + (slot * num_kv_heads + kvh) * head_dim + 2 * c;
+            dst[0] = from_f32<KV>(a);
+            dst[1] = from_f32<KV>(b);
         }
     }
 }
+
+#define STAMP_ROPE(SUFFIX, KV)                                                                       \
+    extern "C" __global__ void rope_write_kv_##SUFFIX(float* qkv, const int* positions,              \
+                                                      const int* slot_mapping, const float* cos_table, \
+                                                      const float* sin_table, KV* k_cache, KV* v_cache, \
+                                                      int num_heads, int num_kv_heads, int head_dim, \
+                                                      int rope_dim) {                                \
+        rope_write_kv<KV>(qkv, positions, slot_mapping, cos_table, sin_table, k_cache, v_cache,      \
+                          num_heads, num_kv_heads, head_dim, rope_dim);                              \
+    }
+
+STAMP_ROPE(f32, float)
+STAMP_ROPE(f16, __half)

@@ -22,13 +22,13 @@
 #define ACCEPT_ALL 1
 #define REJECT_ALL 2
 #define VERIFY_THREADS 512
+#define NO_OWNER 0x7fffffff
 
 struct Scratch {
     double red[33];
-    double prefix[VERIFY_THREADS + 1];
     float arg_val[32];
     int arg_id[32];
-    int pick;
+    int pick, owner;  // broadcast slots
 };
 
 struct Chunk {
@@ -59,11 +59,15 @@ __device__ int first_crossing(F w, int vocab, double base, double target, bool s
         own += x;
         if (x > 0.0) last = v;
     }
-    if (threadIdx.x == 0) s.pick = -1;
-    block_prefix(own, s.prefix);  // syncs
-    const double lo = base + s.prefix[threadIdx.x], hi = base + s.prefix[threadIdx.x + 1];
-    const bool lo_in = strict ? lo > target : lo >= target, hi_in = strict ? hi > target : hi >= target;
-    if (!lo_in && hi_in) {  // exactly one thread: the prefix is monotone
+    if (threadIdx.x == 0) s.owner = NO_OWNER;
+    double lo, hi;
+    block_scan(own, s.red, &lo, &hi);  // syncs
+    lo += base;
+    hi += base;
+    if (strict ? hi > target : hi >= target) atomicMin(&s.owner, (int)threadIdx.x);
+    __syncthreads();
+    const int owner = s.owner;
+    if ((int)threadIdx.x == owner) {  // the first thread whose running sum crosses: walk its ids
         double cum = lo;
         int found = last;
         for (int v = c.begin; v < c.end; ++v) {
@@ -72,6 +76,7 @@ __device__ int first_crossing(F w, int vocab, double base, double target, bool s
         }
         s.pick = found;
     }
+    if (owner == NO_OWNER && threadIdx.x == 0) s.pick = -1;
     __syncthreads();
     int result = s.pick;
     __syncthreads();  // everyone has read s.pick before anyone changes it
@@ -86,7 +91,7 @@ __device__ int first_crossing(F w, int vocab, double base, double target, bool s
 }
 
 // argmax with ties -> lowest id (as engine.verify_kernels.argmax).
-__device__ int block_argmax(const float* row, int vocab, Scratch& s) {
+__device__ __noinline__ int block_argmax(const float* row, int vocab, Scratch& s) {
     const Chunk c(vocab);
     float best = 0.0f;
     int best_id = -1;
@@ -161,7 +166,7 @@ __device__ void find_cut(F w, const float* row, int vocab, double target, unsign
     *id = tie >= 0 ? tie : vocab;
 }
 
-__device__ void make_dist(Dist& d, const float* row, int vocab, double temperature, int top_k, double top_p,
+__device__ __noinline__ void make_dist(Dist& d, const float* row, int vocab, double temperature, int top_k, double top_p,
                           Scratch& s) {
     d.row = row;
     d.peak = (double)row[block_argmax(row, vocab, s)];
@@ -179,12 +184,12 @@ __device__ void make_dist(Dist& d, const float* row, int vocab, double temperatu
     d.total = sum_over_vocab([&](int v) { return d.mass(v); }, vocab, s);
 }
 
-__device__ int sample(const Dist& d, int vocab, double u, Scratch& s) {
+__device__ __noinline__ int sample(const Dist& d, int vocab, double u, Scratch& s) {
     return first_crossing([&](int v) { return d.mass(v); }, vocab, 0.0, u * d.total, true, s);
 }
 
 // Residual r = max(0, p - q) normalised; q one-hot at the draft when the proposer gave no q.
-__device__ int sample_residual(const Dist& d, int vocab, const float* q_row, int draft_id, double u, Scratch& s) {
+__device__ __noinline__ int sample_residual(const Dist& d, int vocab, const float* q_row, int draft_id, double u, Scratch& s) {
     auto r = [&](int v) {
         const double q = q_row != nullptr ? (double)q_row[v] : (v == draft_id ? 1.0 : 0.0);
         const double x = d.mass(v) / d.total - q;
@@ -196,7 +201,7 @@ __device__ int sample_residual(const Dist& d, int vocab, const float* q_row, int
 }
 
 // TOPP: the draft's rank in p (ties -> lowest id first) and the mass ranked above it.
-__device__ bool in_candidates(const Dist& d, int vocab, int x, int max_candidate_len, double verify_top_p,
+__device__ __noinline__ bool in_candidates(const Dist& d, int vocab, int x, int max_candidate_len, double verify_top_p,
                               Scratch& s) {
     const double p_x = d.mass(x);
     if (p_x <= 0.0) return false;
@@ -208,7 +213,7 @@ __device__ bool in_candidates(const Dist& d, int vocab, int x, int max_candidate
 }
 
 // The token plain decoding would emit at this row: the bonus, or REJECT_ALL's token.
-__device__ int plain_token(const float* row, int vocab, bool greedy, double temperature, int top_k, double top_p,
+__device__ __noinline__ int plain_token(const float* row, int vocab, bool greedy, double temperature, int top_k, double top_p,
                            double u, Scratch& s) {
     if (greedy) return block_argmax(row, vocab, s);
     Dist d;

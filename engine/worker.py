@@ -211,19 +211,19 @@ class LinkWatch:
         self.timeout = timeout
         self.monitor = sock.get_monitor_socket(self.EVENTS)
         self.lost_since: float | None = None  # None while connected (or never connected)
+        self.is_connected = False
         self.failed = False  # last handshake failed: log once per run of failures
 
     def read_events(self, now: float) -> None:
         while self.monitor.poll(0):
             event = parse_monitor_message(self.monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if self.lost_since is not None or self.failed:
-                    log.info("connected to the gateway again")
-                self.lost_since, self.failed = None, False
+                log.info("connected to the gateway%s", " again" if self.lost_since is not None else "")
+                self.lost_since, self.failed, self.is_connected = None, False, True
             elif event == zmq.EVENT_DISCONNECTED:
-                if self.lost_since is None:
+                if self.is_connected:
                     log.warning("lost the connection to the gateway; reconnecting")
-                    self.lost_since = now
+                    self.lost_since, self.is_connected = now, False
             elif not self.failed:  # handshake refused: wrong Curve keys, or not a speculant gateway
                 self.failed = True
                 log.error("the gateway refused the handshake (%s): check %s / %s",

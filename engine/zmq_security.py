@@ -152,7 +152,9 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys):
 
     auth = AsyncioAuthenticator(ctx, log=logging.getLogger("speculant.zmq_auth"))
     auth.start()
-    auth.configure_curve(domain="*", location=str(keys.authorized_dir))  # absolute: never CURVE_ALLOW_ANY
+    # Our domain, not "*" (pyzmq looks certificates up by the socket's exact ZAP domain); an
+    # absolute path, so never the CURVE_ALLOW_ANY marker.
+    auth.configure_curve(domain=ZAP_DOMAIN.decode(), location=str(keys.authorized_dir))
     return auth
 
 

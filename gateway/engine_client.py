@@ -67,7 +67,6 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._auth = None  # ZAP authenticator when Curve keys are configured
         self._monitor: zmq.asyncio.Socket | None = None
-        self._link_lost = asyncio.Event()
 
     @property
     def num_pending(self) -> int:
@@ -98,7 +97,7 @@ class EngineClient:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         log.info("engine endpoint bound at %s%s", self.config.endpoint, " (Curve)" if keys else "")
         self._tasks = [asyncio.create_task(loop()) for loop in
-                       (self._read_loop, self._watch_loop, self._monitor_loop, self._probe_loop)]
+                       (self._read_loop, self._watch_loop, self._link_loop)]
 
     async def close(self) -> None:
         self.fail_all("The gateway is shutting down.")
@@ -269,21 +268,23 @@ class EngineClient:
             for worker in self.table.expired(time.monotonic(), self.config.worker_timeout):
                 self._drop_worker(worker, f"silent for more than {self.config.worker_timeout:g} s")
 
-    async def _monitor_loop(self) -> None:
+    async def _link_loop(self) -> None:
+        """After a disconnect, a no-op hello to each worker: ROUTER_MANDATORY refuses a gone peer.
+
+        libzmq drops the peer's route asynchronously, hence a second probe; disconnects already
+        queued are covered by the probes about to run (a flood of them costs one round).
+        """
         assert self._monitor is not None
         while True:
             try:
                 event = parse_monitor_message(await self._monitor.recv_multipart())
+                if event["event"] != zmq.EVENT_DISCONNECTED:
+                    continue
+                await asyncio.sleep(PROBE_DELAYS[0])
+                while await self._monitor.poll(0):
+                    await self._monitor.recv_multipart()
             except zmq.ZMQError:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._link_lost.set()
-
-    async def _probe_loop(self) -> None:
-        """After a disconnect, a no-op hello to each worker: ROUTER_MANDATORY refuses a gone peer."""
-        while True:
-            await self._link_lost.wait()
-            self._link_lost.clear()
             for delay in PROBE_DELAYS:
                 await asyncio.sleep(delay)
                 for worker in list(self.table.workers.values()):

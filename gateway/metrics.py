@@ -114,5 +114,5 @@ class RequestTiming:
 
 
 def _delta(now: int, before: int) -> int:
-    """Workers report running totals; a smaller total means the worker restarted."""
-    return now - before if now >= before else now
+    """Workers report running totals; a smaller total means the worker restarted (never negative)."""
+    return now - before if now >= before else max(now, 0)

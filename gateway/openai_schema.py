@@ -20,8 +20,12 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool | None = None
 
 
-class SpeculativeOptions(msgspec.Struct, kw_only=True):
-    """llama.cpp-style per-request speculation cap: `{"n_max": 0}` turns speculation off."""
+class SpeculativeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """llama.cpp-style per-request speculation cap: `{"n_max": 0}` turns speculation off.
+
+    Unknown keys are refused (not ignored): a client asking for, say, another proposer per
+    request must learn that it did not get it; the method is fixed when the worker starts.
+    """
 
     n_max: int | None = None
 
@@ -110,6 +114,11 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
         raise bad_request(f"Invalid request: {exc}", param_from_error(str(exc)), code="invalid_type") from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", None, code="invalid_json") from None
+    except UnicodeDecodeError as exc:  # msgspec raises it for invalid UTF-8 inside strings
+        raise bad_request(f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}", None,
+                          code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.", None, code="invalid_json") from None
 
 
 def param_from_error(message: str) -> str | None:

@@ -145,6 +145,8 @@ def openapi_spec() -> dict:
             "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
             "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
             "/v1/models": _get("Served models", _ref("ModelList"), 401, secured=True),
+            "/v1/speculant/stats": _get("Worker and gateway stats behind the dashboard", {"type": "object"}, 401,
+                                        secured=True),
             "/health": _health(),
             "/version": _get("Gateway version", {"type": "object", "properties": {"version": {"type": "string"}}}),
             "/metrics": _get("Prometheus metrics", {"type": "string"}, content_type="text/plain"),

@@ -30,6 +30,9 @@ def main(args) -> int:
         print(f"speculant gateway: {exc}", file=sys.stderr)
         return 2
     log.info("gateway on http://%s:%d, engine endpoint %s", config.host, config.port, config.endpoint)
+    log.info("%s; ZeroMQ link %s; shutdown grace %g s",
+             f"{len(config.api_keys)} API key(s) required on /v1" if config.api_keys else "no API key required",
+             "encrypted with Curve" if config.curve_dir else "plaintext", config.shutdown_grace)
     try:
         web.run_app(
             create_app(config),

@@ -21,7 +21,8 @@ def event(payload: dict) -> bytes:
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(status=200, headers=HEADERS)
-    response.enable_chunked_encoding()
+    if request.version >= (1, 1):  # HTTP/1.0 has no chunked encoding: the stream ends when the connection closes
+        response.enable_chunked_encoding()
     await response.prepare(request)
     return response
 

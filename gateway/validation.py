@@ -20,6 +20,7 @@ MAX_STOP_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SPEC_TOKENS = 64
+MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -62,7 +63,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions) -> protocol.Samp
     top_p = 1.0 if req.top_p is None else req.top_p
     _require(0.0 < top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
     top_k = 0 if req.top_k is None else req.top_k
-    _require(top_k >= -1, "top_k", "top_k must be -1 (off), 0 (off) or a positive integer")
+    _require(-1 <= top_k <= MAX_TOKEN_ID, "top_k", "top_k must be -1 (off), 0 (off) or a positive integer")
     _require(req.seed is None or 0 <= req.seed < 2**63, "seed", "seed must be an integer in [0, 2**63)")
     return protocol.SamplingParams(
         max_tokens=opts.max_tokens or 1,
@@ -90,7 +91,8 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
 def _stop_token_ids(ids: list[int] | None) -> list[int]:
     ids = list(ids or [])
     _require(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
-    _require(all(i >= 0 for i in ids), "stop_token_ids", "stop_token_ids must be non-negative token ids")
+    _require(all(0 <= i <= MAX_TOKEN_ID for i in ids), "stop_token_ids",
+             "stop_token_ids must be non-negative token ids")
     return ids
 
 
@@ -154,7 +156,7 @@ def _prompt_fields(prompt) -> dict:
         return {"prompt": prompt}
     _require(isinstance(prompt, list), "prompt", "prompt must be a string or a list of token ids")
     _require(len(prompt) > 0, "prompt", "prompt must not be empty")
-    is_ids = all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    is_ids = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in prompt)
     _require(is_ids, "prompt", "a token-id prompt must be a list of non-negative integers")
     return {"prompt_token_ids": list(prompt)}
 

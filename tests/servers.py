@@ -6,6 +6,7 @@ Not a test module: `test_serving`, `test_faults`, `test_security`, `test_hostile
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -132,3 +134,44 @@ def http(url: str, body: dict | bytes | None = None, headers: dict[str, str] | N
         return None, None, {}
     is_json = headers.get("Content-Type", "").startswith("application/json")
     return status, json.loads(raw) if is_json else raw.decode(), headers
+
+
+class Stream:
+    """One streamed completion read in the background: its events, whether [DONE] came, and when."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, body: dict):
+        self.events: list[dict] = []
+        self.event_times: list[float] = []
+        self.done = False
+        self.failure: str | None = None  # the connection broke
+        self.first = asyncio.Event()
+        self.task = asyncio.create_task(self._read(session, url, body))
+
+    async def _read(self, session, url: str, body: dict) -> None:
+        try:
+            async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+                assert resp.status == 200, await resp.text()
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        self.events.append(json.loads(line[6:]))
+                        self.event_times.append(time.monotonic())
+                        self.first.set()
+                    elif line.startswith(b"data: [DONE]"):
+                        self.done = True
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.failure = type(exc).__name__
+        finally:
+            self.first.set()
+
+    @property
+    def error(self) -> dict | None:
+        return next((e["error"] for e in self.events if "error" in e), None)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return next((e["choices"][0]["finish_reason"] for e in self.events
+                     if e.get("choices") and e["choices"][0]["finish_reason"]), None)
+
+    @property
+    def text(self) -> str:
+        return "".join(e["choices"][0]["text"] for e in self.events if e.get("choices"))

@@ -88,6 +88,10 @@ def test_counters_match_the_requests_own_totals(result, engines, prompts):
             assert r["al"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
             assert r["acceptance_per_pos"][0] == pytest.approx(r["accepted_per_pos"][0] / r["num_drafts"])
         assert r["tokens_per_step"] == pytest.approx(r["output_tokens"] / r["request_steps"])
+        # per-step deltas of the requests' own Outputs agree with the engine-wide counter diffs
+        assert sum(r["drafted_per_pos"]) == r["num_draft_tokens"]
+        assert (r["drafted_per_pos"] or [0])[0] == r["num_drafts"]
+        assert all(a <= n for a, n in zip(r["accepted_per_pos"], r["reached_per_pos"]))
 
 
 def test_engines_are_left_unwrapped(result, engines):

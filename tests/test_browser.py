@@ -1,5 +1,7 @@
 """The playground and the dashboard in a real headless Chromium, against a real gateway + worker.
 
+The gateway runs with an API key, so the pages' key field and Bearer header are exercised too.
+
 The browser tests skip cleanly when selenium, chromium or chromedriver are missing
 (Debian: `apt-get install chromium chromium-driver`; `pip install selenium`). Screenshots
 go to the test's temporary directory and, when $SPECULANT_SCREENSHOT_DIR is set, there too.
@@ -13,9 +15,9 @@ import shutil
 import time
 
 import pytest
+from servers import Cluster, http
 
 from gateway.pages import TokenRate, aggregate
-from test_serving import Cluster, http
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -27,11 +29,14 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 COPY_PROMPT = ("Fix the typo and return the whole sentence: The cat sat on the mat and looked out of the "
                "windoow at the birds in the garden.")
 WAIT = 60  # s, generous: two CPU cores shared with other work
+API_KEY = "sk-browser-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 try:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 except ImportError:
     webdriver = None
@@ -44,9 +49,9 @@ needs_browser = pytest.mark.skipif(not has_browser, reason="needs selenium, chro
 
 
 def _worker(**stats) -> dict:
-    base = dict(num_running=0, num_waiting=0, kv_usage=0.0, num_free_blocks=0, num_total_blocks=0,
-                num_preemptions=0, num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_pos=[],
-                prefix_cache_hits=0, prefix_cache_queries=0)
+    names = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_preemptions", "num_drafts",
+             "num_draft_tokens", "num_accepted_tokens", "prefix_cache_hits", "prefix_cache_queries")
+    base = {**dict.fromkeys(names, 0), "kv_usage": 0.0, "accepted_per_pos": []}
     return {**base, **stats}
 
 
@@ -86,7 +91,7 @@ def test_token_rate_uses_a_sliding_window():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_path):
-    c = Cluster(tmp_path_factory.mktemp("browser_servers"), model_path)
+    c = Cluster(tmp_path_factory.mktemp("browser_servers"), model_path, env={"SPECULANT_API_KEY": API_KEY})
     c.start("gateway", "gateway")
     c.start_worker("w1")
     try:
@@ -97,18 +102,20 @@ def cluster(tmp_path_factory, model_path):
 
 
 def test_stats_endpoint_reports_workers_and_tokens(cluster):
-    status, before, headers = http(f"{cluster.url}/v1/speculant/stats")
+    assert http(f"{cluster.url}/v1/speculant/stats")[0] == 401  # behind the API key, like /v1
+    status, before, headers = http(f"{cluster.url}/v1/speculant/stats", headers=AUTH)
     assert status == 200 and headers["Cache-Control"] == "no-store"
     assert before["totals"]["num_workers"] == 1 and before["workers"][0]["worker_id"] == "w1"
-    status, reply, _ = http(f"{cluster.url}/v1/completions", {"prompt": "Hello", "max_tokens": 5, "temperature": 0})
+    body = {"prompt": "Hello", "max_tokens": 5, "temperature": 0}
+    status, reply, _ = http(f"{cluster.url}/v1/completions", body, headers=AUTH)
     assert status == 200
-    _, after, _ = http(f"{cluster.url}/v1/speculant/stats")
+    _, after, _ = http(f"{cluster.url}/v1/speculant/stats", headers=AUTH)
     made = reply["usage"]["completion_tokens"]
     assert after["gateway"]["generation_tokens"] - before["gateway"]["generation_tokens"] == made
     assert after["gateway"]["num_requests_finished"] - before["gateway"]["num_requests_finished"] == 1
     assert after["gateway"]["tokens_per_s"] >= 0
     for path in ("/", "/playground", "/dashboard", "/static/playground.js", "/static/style.css"):
-        assert http(cluster.url + path)[0] == 200, path
+        assert http(cluster.url + path)[0] == 200, path  # the page shells need no key
 
 
 # ---------------------------------------------------------------- browser
@@ -158,7 +165,11 @@ def browser_errors(driver) -> list[str]:
 def test_playground_streams_coloured_tokens(browser, cluster, shots):
     browser.get(cluster.url + "/")
     assert browser.title == "Speculant playground"
+    key = wait_for(browser, lambda d: d.find_element(By.ID, "api-key") if d.find_element(By.ID, "api-key")
+                   .is_displayed() else None, "no key field after the gateway said 401")
+    key.send_keys(API_KEY, Keys.TAB)  # `change` stores it and reloads the model list
     wait_for(browser, lambda d: "SmolLM2" in d.find_element(By.ID, "model-name").text, "model name not shown")
+    browser_errors(browser)  # drop the expected 401 from the console log
     max_tokens = browser.find_element(By.ID, "max-tokens")
     max_tokens.clear()
     max_tokens.send_keys("48")
@@ -175,7 +186,7 @@ def test_playground_streams_coloured_tokens(browser, cluster, shots):
     answer = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .body").get_attribute("textContent")
     status, plain, _ = http(f"{cluster.url}/v1/chat/completions",
                             {"messages": [{"role": "user", "content": COPY_PROMPT}], "max_tokens": 48,
-                             "temperature": 0})
+                             "temperature": 0}, headers=AUTH)
     assert status == 200 and "speculant" not in plain  # the extension is opt-in
     assert answer == plain["choices"][0]["message"]["content"]
     colours = {browser.execute_script("return getComputedStyle(arguments[0]).backgroundColor", el)
@@ -186,13 +197,30 @@ def test_playground_streams_coloured_tokens(browser, cluster, shots):
 
 
 @needs_browser
+def test_playground_speculation_switch_sends_n_max_0(browser, cluster):
+    browser.get(cluster.url + "/playground")
+    browser.execute_script("localStorage.setItem('speculant-api-key', arguments[0])", API_KEY)
+    browser.refresh()
+    wait_for(browser, lambda d: "SmolLM2" in d.find_element(By.ID, "model-name").text, "model name not shown")
+    browser.find_element(By.ID, "spec-on").click()  # off: the request carries speculative.n_max = 0
+    browser.find_element(By.ID, "prompt").send_keys(COPY_PROMPT, Keys.ENTER)
+    stats = wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".answer-stats[data-done='1']"),
+                     "the answer did not finish")[0]
+    assert stats.get_attribute("data-drafted") == "0" and stats.get_attribute("data-accepted") == "0"
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok.target")
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok.draft")
+    assert browser_errors(browser) == []
+
+
+@needs_browser
 def test_dashboard_numbers_change_after_requests(browser, cluster, shots):
     browser.get(cluster.url + "/dashboard")
+    browser.execute_script("localStorage.setItem('speculant-api-key', arguments[0])", API_KEY)
     wait_for(browser, lambda d: d.find_element(By.ID, "num-workers").text == "1", "dashboard shows no worker")
     generated = browser.find_element(By.ID, "generation-tokens")
     before = int(generated.text)
     body = {"messages": [{"role": "user", "content": COPY_PROMPT}], "max_tokens": 32, "temperature": 0}
-    status, reply, _ = http(f"{cluster.url}/v1/chat/completions", body)
+    status, reply, _ = http(f"{cluster.url}/v1/chat/completions", body, headers=AUTH)
     assert status == 200 and reply["usage"]["speculative"]["num_accepted_tokens"] > 0
     made = reply["usage"]["completion_tokens"]
     wait_for(browser, lambda d: int(generated.text) >= before + made, "generated tokens did not grow")

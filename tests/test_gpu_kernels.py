@@ -1,7 +1,7 @@
 """Each CUDA kernel against the CPU reference, on fresh random ragged inputs.
 
 Two backends run the same tests: "cuda" (CuPy on a device; marker `gpu`, skipped without one)
-and "emu" (the same .cu sources compiled by g++ and run on CPU threads, engine.gpu.emulator),
+and "emu" (the same .cu sources compiled by g++, each CUDA thread a CPU fiber: engine.gpu.emulator),
 so the kernels' arithmetic, synchronisation and launch arguments are checked in CPU CI too.
 Outputs are poisoned with NaN before each launch, so an element the kernel forgot stays NaN.
 Relative error ||out - ref|| / ||ref|| bounds: 1e-5 float32, 1e-3 float16, 1e-2 bfloat16.
@@ -144,7 +144,7 @@ def test_embed_and_swiglu_match_cpu(backend, dtype):
 
 
 class Geometry:
-    num_heads, num_kv_heads, head_dim, rope_dim = 6, 2, 64, 64
+    """The ModelConfig fields the attention and RoPE launchers read."""
 
     def __init__(self, head_dim=64, num_heads=6, num_kv_heads=2, rope_dim=None):
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
@@ -152,7 +152,8 @@ class Geometry:
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
 
 
-def test_rope_write_kv_matches_cpu(backend):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # KV cache: float32, resp. fp16
+def test_rope_write_kv_matches_cpu(backend, dtype):
     rng = np.random.default_rng(4)
     g = Geometry(rope_dim=48)  # partial rotary: the last 16 dims of each head pass through
     rb = Ragged(rng, [3, 20], [2, 3])
@@ -163,20 +164,24 @@ def test_rope_write_kv_matches_cpu(backend):
     ref_qkv, ref_k, ref_v = qkv.copy(), np.zeros(cache_shape, np.float32), np.zeros(cache_shape, np.float32)
     ops.rope_adjacent(ref_qkv, pos, cos, sin, g.num_heads + g.num_kv_heads, g.head_dim, g.rope_dim)
     write_kv(ref_qkv, ref_k, ref_v, slot, g.q_size, g.kv_size)
-    d_qkv = backend.dev(qkv)
-    d_k, d_v = backend.dev(np.zeros(cache_shape, np.float16)), backend.dev(np.zeros(cache_shape, np.float16))
-    backend.kernels("float32").rope_write_kv(d_qkv, backend.dev(pos), backend.dev(slot), backend.dev(cos),
-                                             backend.dev(sin), d_k, d_v, g, rb.num_tokens)
+    kern = backend.kernels(dtype)
+    d_qkv, kv_type = backend.dev(qkv), np.dtype(kern.kv_dtype)
+    d_k, d_v = backend.dev(np.zeros(cache_shape, kv_type)), backend.dev(np.zeros(cache_shape, kv_type))
+    kern.rope_write_kv(d_qkv, backend.dev(pos), backend.dev(slot), backend.dev(cos), backend.dev(sin), d_k, d_v, g,
+                       rb.num_tokens)
     assert rel_err(backend.host(d_qkv)[:, : g.q_size], ref_qkv[:, : g.q_size]) < 1e-6
-    assert rel_err(backend.host(d_k).astype(np.float32), ref_k) < 1e-3  # the cache is fp16
-    assert np.array_equal(backend.host(d_v), ref_v.astype(np.float16))
+    assert rel_err(backend.host(d_k).astype(np.float32), ref_k) < (1e-6 if dtype == "float32" else 1e-3)
+    assert np.array_equal(backend.host(d_v), ref_v.astype(kv_type))
 
 
 # ------------------------------------------------------------------------------------ attention
 
 
 def run_attention(be: Backend, rb: Ragged, g: Geometry, qkv, k16, v16, dtype, partition_size=64, num_splits=None):
-    """Device append attention over the batch; returns out [num_tokens, q_size] as float32."""
+    """Device append attention over the batch; returns out [num_tokens, q_size] as float32.
+
+    k16/v16 hold fp16 values; the float32 build's cache is float32 (the same values, widened)."""
+    kv_type = np.dtype(be.kernels(dtype).kv_dtype)
     q_tile = attention_q_tile(g.num_heads, g.num_kv_heads)
     cap = rb.num_tokens
     meta = rb.device_meta(be, q_tile, cap)
@@ -184,7 +189,8 @@ def run_attention(be: Backend, rb: Ragged, g: Geometry, qkv, k16, v16, dtype, pa
     out = be.poisoned((cap, g.q_size), dtype)
     part_acc = be.poisoned((cap, g.num_heads, max_splits, g.head_dim))
     part_ml = be.poisoned((cap, g.num_heads, max_splits, 2))
-    be.kernels(dtype).attention(be.dev(qkv), be.dev(k16), be.dev(v16), be.dev(rb.block_tables), meta, g,
+    be.kernels(dtype).attention(be.dev(qkv), be.dev(k16.astype(kv_type)), be.dev(v16.astype(kv_type)),
+                                be.dev(rb.block_tables), meta, g,
                                 rb.block_size, partition_size, max_splits, num_splits or max_splits,
                                 out, part_acc, part_ml, cap)
     return from_storage(be.host(out), dtype)

@@ -28,12 +28,17 @@ def make_batch(rng, vocab, num_drafts, strategy, temperature, top_k, top_p, has_
     cu_rows = np.concatenate([[0], np.cumsum(np.add(num_drafts, 1))]).astype(np.int32)
     num_rows = int(cu_rows[-1])
     logits = (np.round(rng.standard_normal((num_rows, vocab)) * 8) / 4).astype(np.float32)  # many ties
+    for row in range(num_rows):
+        if rng.random() < 0.4:  # a tie at the top (often next door): argmax must pick the lowest id
+            top = int(np.argmax(logits[row]))
+            logits[row, (top + 1) % vocab if rng.random() < 0.5 else rng.integers(vocab)] = logits[row, top]
     draft_ids = np.zeros(num_rows - num_reqs, np.int32)
     for r in range(num_reqs):
         for i in range(num_drafts[r]):
             row = cu_rows[r] + i
-            likely = rng.random() < 0.7  # mostly the argmax, so accept chains get long
-            draft_ids[row - r] = int(np.argmax(logits[row])) if likely else int(rng.integers(vocab))
+            rank = int(rng.choice([0] * 8 + [1, 2, 3, 4, 50]))  # mostly likely tokens: long accept chains
+            order = np.lexsort((np.arange(vocab), -logits[row]))  # by logit desc, then id
+            draft_ids[row - r] = int(order[rank]) if rng.random() < 0.85 else int(rng.integers(vocab))
     probs = rng.dirichlet(np.full(vocab, 0.3), size=num_rows - num_reqs).astype(np.float32)
     return dict(
         logits=logits, cu_rows=cu_rows, draft_ids=draft_ids,
@@ -82,9 +87,10 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_matches_cpu_verify(backend, setting):
-    rng = np.random.default_rng(abs(hash(setting)) % 2**32)
+def test_matches_cpu_verify(backend, setting, seed):
+    rng = np.random.default_rng(100 * list(SETTINGS).index(setting) + seed)
     has_q = [False, True, False, True, True, False]
     b = make_batch(rng, 301, NUM_DRAFTS, *SETTINGS[setting], has_q=has_q)
     assert_same(b, run_cpu(b, NORMAL, 3, 0.9), run_device(backend, b, NORMAL, 3, 0.9))
@@ -104,7 +110,7 @@ def test_debug_policies_match_cpu_verify(backend, policy):
 def test_rejection_first_token_is_distributed_as_target(backend, with_q):
     """Draft x ~ q, then verify: the first emitted token (accepted x or recovered) must be ~ p."""
     rng = np.random.default_rng(12 + with_q)
-    vocab, num_reqs = 20, 3000 if backend.name == "emu" else 100_000
+    vocab, num_reqs = 20, 1500 if backend.name == "emu" else 100_000
     row = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
     p = np.exp(row - row.max())
     p /= p.sum()

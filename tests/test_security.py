@@ -17,7 +17,9 @@ import aiohttp
 import openai
 import pytest
 import zmq
+import zmq.auth
 from servers import MAX_MODEL_LEN, REPO, Cluster, free_port, http
+from zmq.utils.monitor import parse_monitor_message
 
 from engine import protocol, zmq_security
 
@@ -97,15 +99,30 @@ def test_openai_client_with_and_without_the_key(cluster, model):
 # ---------------------------------------------------------------- CurveZMQ
 
 
-def raw_peer(cluster, identity: str, keys: tuple[bytes, bytes, bytes] | None) -> zmq.Socket:
-    """A DEALER on the gateway's endpoint; keys = (public, secret, server public) or None (plaintext)."""
+def raw_peer(cluster, identity: str, keys: tuple[bytes, bytes, bytes] | None):
+    """A DEALER on the gateway's endpoint and its monitor; keys = (public, secret, server public) or None."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+    monitor = sock.get_monitor_socket()
     sock.connect(cluster.env["SPECULANT_ENGINE_ENDPOINT"])
-    return sock
+    return sock, monitor
+
+
+def handshake_outcome(monitor: zmq.Socket, timeout: float = 20) -> str:
+    """'ok' or 'refused', from the peer's own monitor events (the gateway answered either way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if monitor.poll(100):
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return "ok"
+            if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                return "refused"
+    return "no answer"
 
 
 def ready(worker_id: str) -> bytes:
@@ -129,22 +146,26 @@ def test_only_authorized_keys_join(cluster, key_dir):
     stranger = zmq.curve_keypair()
     impostor_server = zmq.curve_keypair()[0]  # the peer expects some other gateway
     intruders = {"plain": None, "stranger": (*stranger, gateway_public), "mixup": (*spare, impostor_server)}
-    socks = [raw_peer(cluster, name, keys) for name, keys in intruders.items()]
-    for sock, name in zip(socks, intruders):
+    peers = {name: raw_peer(cluster, name, keys) for name, keys in intruders.items()}
+    for name, (sock, _) in peers.items():
         sock.send(ready(name))
         sock.send(protocol.encode(protocol.Heartbeat(worker_id=name, stats=protocol.WorkerStats())))
+    assert {name: handshake_outcome(monitor) for name, (_, monitor) in peers.items()} == dict.fromkeys(
+        intruders, "refused")
     # Positive control: the same messages with an authorized key do get through.
-    friend = raw_peer(cluster, "friend", (*spare, gateway_public))
+    friend, friend_monitor = raw_peer(cluster, "friend", (*spare, gateway_public))
     friend.send(ready("friend"))
-    assert wait_num_workers(cluster, 2) == 2
-    assert num_workers(cluster) == 2  # w1 + friend; none of the intruders
+    assert handshake_outcome(friend_monitor) == "ok"
+    assert wait_num_workers(cluster, 2) == 2  # w1 + friend; none of the intruders
     friend.send(protocol.encode(protocol.Goodbye(worker_id="friend")))
     assert wait_num_workers(cluster, 1) == 1
     models = {m["id"] for m in http(f"{cluster.url}/v1/models", headers=AUTH)[1]["data"]}
     assert "intruder-model" not in models
     log = cluster.log("gateway")
     assert "worker friend ready" in log and not re.search(r"worker (plain|stranger|mixup) ready", log)
-    for sock in [*socks, friend]:
+    for sock, monitor in [*peers.values(), (friend, friend_monitor)]:
+        sock.disable_monitor()
+        monitor.close()
         sock.close()
 
 
@@ -163,7 +184,7 @@ async def test_a_peer_cannot_answer_for_another_workers_request(cluster, model, 
                     events.append(json.loads(line[6:]))
                     request_id = events[0]["id"]
                     break
-            rogue = raw_peer(cluster, "rogue", (*spare, gateway_public))
+            rogue, monitor = raw_peer(cluster, "rogue", (*spare, gateway_public))
             rogue.send(ready("rogue"))
             assert await asyncio.to_thread(wait_num_workers, cluster, 2) == 2
             forged = protocol.Output(request_id=request_id, text="INJECTED", token_ids=[1], finish_reason="stop")
@@ -173,6 +194,8 @@ async def test_a_peer_cannot_answer_for_another_workers_request(cluster, model, 
                 if line.startswith(b"data: {"):
                     events.append(json.loads(line[6:]))
     rogue.send(protocol.encode(protocol.Goodbye(worker_id="rogue")))
+    rogue.disable_monitor()
+    monitor.close()
     rogue.close()
     assert all("error" not in e for e in events), events
     assert "INJECTED" not in "".join(e["choices"][0]["text"] for e in events if e["choices"])

@@ -22,6 +22,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __shared__ static
 
@@ -86,6 +87,12 @@ template <typename T> inline T __shfl_up_sync(unsigned, T v, int d) {
 inline int atomicMax(int* addr, int v) {  // fibers never preempt each other
     const int old = *addr;
     *addr = old > v ? old : v;
+    return old;
+}
+
+inline int atomicMin(int* addr, int v) {
+    const int old = *addr;
+    *addr = old < v ? old : v;
     return old;
 }
 

@@ -41,6 +41,13 @@ def _cxx_flags() -> list[str]:
     return ["-std=c++20", "-pthread", f"-I{EMU_DIR}", "-include", str(EMU_DIR / "cuda_emu.h")]
 
 
+def _run(cmd: list[str], stdin: str | None = None) -> str:
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
 def _parse_params(text: str) -> list[tuple[str, str]]:
     """`const float* x, int n` -> [("const float*", "x"), ("int", "n")]."""
     params = []
@@ -94,7 +101,7 @@ class EmuModule:
             src.write_text(full)
             tmp = cache / f"{name}-{key}.{os.getpid()}.so"
             cmd = [os.environ.get("CXX", "g++"), *_cxx_flags(), "-O1", "-shared", "-fPIC", str(src), "-o", str(tmp)]
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            _run(cmd)
             tmp.replace(lib)
         self._lib = ctypes.CDLL(str(lib))
         self._kernels = {k: EmuKernel(getattr(self._lib, f"emu__{k}"), k, p) for k, p in kernels.items()}
@@ -102,7 +109,7 @@ class EmuModule:
     @staticmethod
     def _find_kernels(source: str) -> dict[str, list[tuple[str, str]]]:
         cmd = [os.environ.get("CXX", "g++"), *_cxx_flags(), "-E", "-P", "-x", "c++", "-"]
-        text = subprocess.run(cmd, input=source, check=True, capture_output=True, text=True).stdout
+        text = _run(cmd, source)
         return {m.group(1): _parse_params(m.group(2)) for m in _KERNEL.finditer(text)}
 
     @staticmethod

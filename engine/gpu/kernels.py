@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.gpu.build import CUDA_DIR, compile_options, read_source
+from engine.gpu.build import CUDA_DIR, MODULES, compile_options, read_source
 
 ACT_SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+KV_DTYPE = {"float32": "float32", "float16": "float16", "bfloat16": "float16"}  # KV cache storage per build
 ATTENTION_HEAD_DIMS = (64, 128)
 MAX_ATTENTION_ROWS = 16  # cuda/attention.cu MAX_ROWS: q_tile * group query vectors per block
 NORM_THREADS = 256
@@ -56,6 +57,7 @@ class Kernels:
         if verify_threads % 32 or not 32 <= verify_threads <= VERIFY_THREADS:
             raise ValueError(f"verify_threads: a multiple of 32 in [32, {VERIFY_THREADS}]")
         self.sfx = ACT_SUFFIX[act_dtype]
+        self.kv_dtype = KV_DTYPE[act_dtype]
         self.verify_threads = verify_threads  # fewer only to keep the CPU emulator quick
         self._loader = loader
         self._modules: dict[str, object] = {}
@@ -70,10 +72,13 @@ class Kernels:
         return self._functions[key]
 
     def warm(self) -> None:
-        """Load every module now: module loading is not allowed during CUDA-graph capture."""
-        for name in ("ops", "attention", "linear", "verify"):
+        """Compile every module now (NVRTC, cached on disk by CuPy), not in the middle of a step."""
+        for name in MODULES:
             if name not in self._modules:
                 self._modules[name] = self._loader(name)
+            compile_now = getattr(self._modules[name], "compile", None)  # RawModule compiles lazily
+            if compile_now is not None:
+                compile_now()
 
     # ---------------------------------------------------------------- per-token ops
 
@@ -110,8 +115,8 @@ class Kernels:
             gate_up, out, i32(inter)))
 
     def rope_write_kv(self, qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, cfg, rows: int) -> None:
-        """RoPE on q and k, then k and v into the layer's cache; cfg: engine ModelConfig."""
-        self.fn("ops", "rope_write_kv")((rows,), (NORM_THREADS,), (
+        """RoPE on q and k, then k and v into the layer's cache (of self.kv_dtype); cfg: engine ModelConfig."""
+        self.fn("ops", f"rope_write_kv_{ACT_SUFFIX[self.kv_dtype]}")((rows,), (NORM_THREADS,), (
             qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, i32(cfg.num_heads),
             i32(cfg.num_kv_heads), i32(cfg.head_dim), i32(cfg.rope_dim)))
 

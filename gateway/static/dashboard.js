@@ -47,14 +47,16 @@ function renderPerPosition(rates) {
     bar.className = "bar";
     bar.appendChild(document.createElement("span"));
     bars.appendChild(bar);
-    labels.appendChild(document.createElement("span")).textContent = "pos " + (labels.children.length);
+    const label = document.createElement("span");
+    label.textContent = "draft " + (labels.children.length + 1);
+    labels.appendChild(label);
   }
   while (bars.children.length > rates.length) { bars.lastChild.remove(); labels.lastChild.remove(); }
   rates.forEach((rate, i) => {
     const bar = bars.children[i];
     bar.style.height = Math.max(0.5, 100 * rate) + "%";
     bar.firstChild.textContent = fmt(100 * rate) + "%";
-    bar.title = `draft position ${i}: accepted in ${fmt(100 * rate, 1)}% of verify steps`;
+    bar.title = `draft token ${i + 1}: accepted in ${fmt(100 * rate, 1)}% of steps with drafts`;
   });
 }
 
