@@ -106,7 +106,8 @@ def parse_messages(messages, where: str) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
-def select(prompts: list[BenchPrompt], categories: list[str] | None, per_category: int | None = None) -> list[BenchPrompt]:
+def select(prompts: list[BenchPrompt], categories: list[str] | None,
+           per_category: int | None = None) -> list[BenchPrompt]:
     """Keep the named categories (in the given order) and at most `per_category` prompts of each."""
     present = list(dict.fromkeys(p.category for p in prompts))
     names = present if categories is None else categories

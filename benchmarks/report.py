@@ -162,9 +162,20 @@ def format_table(result: dict) -> str:
         widths = [max(len(x) for x in col) for col in zip(head, *body)]
         lines += ["", _mode_title(result, mode), "  ".join(h.ljust(w) for h, w in zip(head, widths))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(cells, widths)) for cells in body]
+    lines += [_load_note(result["config"])] if _load_note(result["config"]) else []
     lines += ["", "targets:"] + [f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['detail']}"
                                  for t in targets(result)]
     return "\n".join(lines)
+
+
+def _load_note(cfg: dict) -> str | None:
+    """A warning when other processes competed for the CPUs (our own run adds about 1-2 to the load)."""
+    machine = cfg.get("machine", {})
+    before, after, cpus = cfg.get("load_avg_1m_before"), machine.get("load_avg_1m"), machine.get("cpu_count") or 1
+    if (before is not None and before > 0.5 * cpus) or (after is not None and after > cpus + 0.5):
+        return (f"note: 1-min load average {before} before / {after} after the run on {cpus} CPUs: other processes "
+                "competed for the CPUs, so tok/s and speedups are unreliable (AL, acceptance, identical are not)")
+    return None
 
 
 def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
@@ -173,9 +184,9 @@ def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
 
 def format_markdown(result: dict) -> str:
     cfg = result["config"]
-    lines = ["# speculant bench spec", "",
-             f"model `{cfg.get('model', '?')}`, greedy, max_tokens {cfg['max_tokens']}, repeats {cfg['repeats']}, "
-             f"machine {cfg['machine']}, load avg before {cfg.get('load_avg_1m_before', '?')}", ""]
+    setup = (f"model `{cfg.get('model', '?')}`, greedy, max_tokens {cfg['max_tokens']}, repeats {cfg['repeats']}, "
+             f"machine {cfg['machine']}, load avg before {cfg.get('load_avg_1m_before', '?')}")
+    lines = ["# speculant bench spec", "", setup, ""] + ([f"**{_load_note(cfg)}**", ""] if _load_note(cfg) else [])
     lines += [f"- `{label}`: {json.dumps(spec) if spec else 'no speculation (baseline)'}"
               for label, spec in result["methods"].items()]
     lines += ["", "## Targets", ""] + [f"- {'met' if t['met'] else '**NOT met**'}: {t['target']} ({t['detail']})"
@@ -184,12 +195,15 @@ def format_markdown(result: dict) -> str:
         rows = [r for r in result["rows"] if r["mode"] == mode]
         lines += ["", f"## {_mode_title(result, mode)}", ""]
         lines += _md_table([c for c, _ in COLUMNS], [_cells(r) for r in rows])
-        lines += ["", "Drafting detail: k the controller allowed per drafting step, mean draft length, share of "
-                  "request steps with drafts, acceptance per position (vLLM's: / drafts) and conditional on the "
-                  "position being reached; where an engine step's time goes (ms).", ""]
+        lines += ["", DETAIL_NOTE, ""]
         lines += _md_table(["category", "method", "k allowed", "draft len", "drafted steps", "acceptance per position",
                             "conditional", "forward", "propose", "other", "TPOT ms"], [_detail_cells(r) for r in rows])
     return "\n".join(lines) + "\n"
+
+
+DETAIL_NOTE = ("Drafting detail: k the controller allowed per drafting step, mean draft length, share of request "
+               "steps with drafts, acceptance per position (vLLM's: / drafts) and conditional on the position being "
+               "reached; where an engine step's time goes (ms).")
 
 
 def _detail_cells(r: dict) -> list[str]:
@@ -213,6 +227,7 @@ def write_all(result: dict, out_dir: str | pathlib.Path) -> list[pathlib.Path]:
 
 
 def write_plots(result: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    """spec_speedup.png and spec_acceptance_per_pos.png; none when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -220,33 +235,38 @@ def write_plots(result: dict, out: pathlib.Path) -> list[pathlib.Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    modes = list(result["config"]["modes"])
+    paths = [out / "spec_speedup.png", out / "spec_acceptance_per_pos.png"]
+    for draw, path in zip((_plot_speedup, _plot_acceptance), paths):
+        modes = list(result["config"]["modes"])
+        fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            draw(ax, result, mode)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _plot_speedup(ax, result: dict, mode: str) -> None:
+    """Grouped bars: one group per category, one bar per method."""
     methods = list(result["methods"])
     cats = list(dict.fromkeys(r["category"] for r in result["rows"]))
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    rows = {(r["mode"], r["category"], r["method"]): r for r in result["rows"]}
     width = 0.8 / len(methods)
-    for ax, mode in zip(axes[0], modes):
-        for j, m in enumerate(methods):
-            vals = [next(r["speedup"] or 0 for r in result["rows"] if (r["mode"], r["category"], r["method"]) == (mode, c, m))
-                    for c in cats]
-            ax.bar([i + j * width for i in range(len(cats))], vals, width, label=m)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
-        ax.set_title(f"speedup over no speculation ({mode})")
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "spec_speedup.png", dpi=110)
-    fig2, axes2 = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
-    for ax, mode in zip(axes2[0], modes):
-        for r in result["rows"]:
-            if r["mode"] == mode and r["category"] == "all" and r["acceptance_per_pos"]:
-                ax.plot(range(1, len(r["acceptance_per_pos"]) + 1), r["acceptance_per_pos"], marker="o", label=r["method"])
-        ax.set_xlabel("draft position")
-        ax.set_ylim(0, 1)
-        ax.set_title(f"acceptance per position, all categories ({mode})")
-        ax.legend(fontsize=8)
-    fig2.tight_layout()
-    fig2.savefig(out / "spec_acceptance_per_pos.png", dpi=110)
-    plt.close(fig)
-    plt.close(fig2)
-    return [out / "spec_speedup.png", out / "spec_acceptance_per_pos.png"]
+    for j, m in enumerate(methods):
+        vals = [rows[(mode, c, m)]["speedup"] or 0 for c in cats]
+        ax.bar([i + j * width for i in range(len(cats))], vals, width, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
+    ax.set_title(f"speedup over no speculation ({mode})")
+
+
+def _plot_acceptance(ax, result: dict, mode: str) -> None:
+    for r in result["rows"]:
+        if r["mode"] == mode and r["category"] == "all" and r["acceptance_per_pos"]:
+            per_pos = r["acceptance_per_pos"]
+            ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=r["method"])
+    ax.set_xlabel("draft position")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"acceptance per position, all categories ({mode})")

@@ -26,8 +26,6 @@ import time
 from collections.abc import Mapping
 from types import SimpleNamespace
 
-import numpy as np
-
 from benchmarks import report
 from benchmarks.prompts import BenchPrompt, builtin_prompts, by_category, load_prompts, select
 from benchmarks.spec_timing import block_raw, instrument, reset_proposer
@@ -152,7 +150,7 @@ def run_block(engine, prompts: list[BenchPrompt], params: SamplingParams, group:
 def warm_up(engine, prompts: list[BenchPrompt], concurrency: int, max_tokens: int) -> None:
     """Compile the kernels for every path a block takes and put every prompt's KV in the prefix cache."""
     drive(engine, prompts, SamplingParams(max_tokens=1, temperature=0.0))
-    first = list(by_category(prompts).values())[0]
+    first = next(iter(by_category(prompts).values()))
     warm = SamplingParams(max_tokens=min(WARMUP_TOKENS, max_tokens), temperature=0.0)
     drive(engine, first[:1], warm)
     drive(engine, first[: max(concurrency, 1)], warm)

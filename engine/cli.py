@@ -30,6 +30,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="token budget of one engine step")
     p.add_argument("--threads", type=int, default=_env("threads", 0), help="compute threads (0 = all cores)")
     p.add_argument("--device", default=_env("device", "cpu"), choices=["cpu", "cuda", "auto"], help="compute backend")
+    p.add_argument("--gpu-memory-utilization", type=float, default=_env("gpu-memory-utilization", None),
+                   help="cuda: fraction of GPU memory for weights, buffers and KV cache (default: --kv-cache-memory)")
+    p.add_argument("--gpu-dtype", default=_env("gpu-dtype", "float16"), choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--gpu-batch-invariant", action="store_true",
+                   help="cuda: batch-independent weight products (speculative output == plain output)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="cuda: run every step eagerly")
     p.add_argument(
         "--speculative-config",
         default=_env("speculative-config", None),
@@ -69,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the chat template")
 
     p = sub.add_parser("bench", help="benchmarks: model, spec, serve")
-    p.add_argument("what", choices=["model", "spec", "serve", "proposers", "linear"])
+    p.add_argument("what", choices=["model", "spec", "serve", "proposers", "linear", "gpu"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for that benchmark (see --help there)")
     return parser
 

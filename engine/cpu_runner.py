@@ -73,9 +73,9 @@ class CpuRunner:
         self.rope_cos, self.rope_sin = ops.rope_tables(
             max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors()
         )
-        kv_shape = (cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = np.zeros(kv_shape, np.float32)
-        self.v_cache = np.zeros(kv_shape, np.float32)
+        # K is stored transposed within a block so that one block's scores are a vector op over keys.
+        self.k_cache = np.zeros((cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cfg.head_dim, cache.block_size), np.float32)
+        self.v_cache = np.zeros((cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim), np.float32)
         self._alloc_activations()
 
     @staticmethod
@@ -139,7 +139,7 @@ class CpuRunner:
             ops.rope_adjacent(qkv, self.positions[:T], self.rope_cos, self.rope_sin,
                               cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim)
             write_kv(qkv, self.k_cache[i], self.v_cache[i], self.slot_mapping[:T], cfg.q_size, cfg.kv_size)
-            paged_attention(qkv, self.k_cache[i], self.v_cache[i], self.req_of_token[:T], self.positions[:T],
+            paged_attention(qkv, self.k_cache[i], self.v_cache[i], batch.cu_q[: batch.num_reqs + 1], self.positions[:T],
                             batch.block_tables, cfg.num_heads, scale, self.attn[:T])
             linear(self.attn[:T], w_o, delta)
             ops.add_rms_norm(x, delta, ffn_norm, cfg.rms_eps, h)

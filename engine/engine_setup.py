@@ -68,6 +68,20 @@ def measure_verify_curve(runner: CpuRunner, max_t: int, repeats: int = 3) -> np.
     return times / times[1]
 
 
+def make_runner(model: GGUFModel, cache: CacheConfig, args):
+    """The CPU runner, or the GPU runner for --device cuda (or auto with a device present)."""
+    device = getattr(args, "device", "cpu")
+    if device == "auto":
+        from engine.gpu import cuda_available
+
+        device = "cuda" if cuda_available() else "cpu"
+    if device == "cuda":
+        from engine.gpu import make_gpu_runner
+
+        return make_gpu_runner(model, cache, args)
+    return CpuRunner(model, cache, getattr(args, "threads", 0))
+
+
 def build_engine_parts(args) -> EngineParts:
     spec = None
     if getattr(args, "speculative_config", None):
@@ -78,7 +92,8 @@ def build_engine_parts(args) -> EngineParts:
     model = GGUFModel(path)
     tokenizer = Tokenizer.from_gguf(path)
     cache = cache_config(args, model)
-    runner = CpuRunner(model, cache, getattr(args, "threads", 0))
+    runner = make_runner(model, cache, args)
+    cache = runner.cache  # a GPU runner sizes num_blocks from free device memory
     blocks = BlockManager(cache.num_blocks, cache.block_size)
     scheduler = Scheduler(blocks, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len)
     proposer, max_k, budget = None, 0, 0

@@ -124,7 +124,8 @@ def test_bad_method_and_prompt_files_fail_cleanly(tmp_path):
     with pytest.raises(ValueError, match="max_ngram_size"):
         method_configs("none", ['{"method": "ngram", "max_ngram_size": 0}'], None)
     bad = tmp_path / "p.jsonl"
-    bad.write_text('{"category": "x", "prompt": "hi"}\n{"category": "x", "messages": [{"role": "bot", "content": "a"}]}\n')
+    bad.write_text('{"category": "x", "prompt": "hi"}\n'
+                   '{"category": "x", "messages": [{"role": "bot", "content": "a"}]}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:2: messages\[0\].role"):
         load_prompts(bad)
     bad.write_text('{"prompt": "hi"}\n')

@@ -161,9 +161,12 @@ def test_rope_write_kv_matches_cpu(backend, dtype):
     qkv = rng.standard_normal((rb.num_tokens, g.q_size + 2 * g.kv_size)).astype(np.float32)
     cos, sin = ops.rope_tables(64, g.rope_dim, 10000.0, 1.0)
     cache_shape = (rb.num_blocks, rb.block_size, g.num_kv_heads, g.head_dim)
-    ref_qkv, ref_k, ref_v = qkv.copy(), np.zeros(cache_shape, np.float32), np.zeros(cache_shape, np.float32)
+    # The CPU cache keeps K transposed inside a block ([blocks, kv, hd, bs]); the GPU's does not.
+    k_cpu = np.zeros((rb.num_blocks, g.num_kv_heads, g.head_dim, rb.block_size), np.float32)
+    ref_qkv, ref_v = qkv.copy(), np.zeros(cache_shape, np.float32)
     ops.rope_adjacent(ref_qkv, pos, cos, sin, g.num_heads + g.num_kv_heads, g.head_dim, g.rope_dim)
-    write_kv(ref_qkv, ref_k, ref_v, slot, g.q_size, g.kv_size)
+    write_kv(ref_qkv, k_cpu, ref_v, slot, g.q_size, g.kv_size)
+    ref_k = np.ascontiguousarray(k_cpu.transpose(0, 3, 1, 2))
     kern = backend.kernels(dtype)
     d_qkv, kv_type = backend.dev(qkv), np.dtype(kern.kv_dtype)
     d_k, d_v = backend.dev(np.zeros(cache_shape, kv_type)), backend.dev(np.zeros(cache_shape, kv_type))
@@ -204,6 +207,13 @@ def attention_inputs(rng, rb: Ragged, g: Geometry):
     return qkv, k16, v16
 
 
+def cpu_attention(qkv, k16, v16, rb: Ragged, pos, g, out) -> None:
+    """The CPU kernel as reference; its K cache is stored transposed inside each block."""
+    k_cpu = np.ascontiguousarray(k16.astype(np.float32).transpose(0, 2, 3, 1))  # [blocks, kv, hd, bs]
+    paged_attention(qkv, k_cpu, v16.astype(np.float32), rb.cu_q, pos, rb.block_tables,
+                    g.num_heads, np.float32(1 / np.sqrt(g.head_dim)), out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_append_attention_matches_cpu(backend, case, dtype):
@@ -213,8 +223,7 @@ def test_append_attention_matches_cpu(backend, case, dtype):
     qkv, k16, v16 = attention_inputs(rng, rb, g)
     req, pos, _ = rb.cpu_meta()
     ref = np.zeros((rb.num_tokens, g.q_size), np.float32)
-    paged_attention(qkv, k16.astype(np.float32), v16.astype(np.float32), req, pos, rb.block_tables,
-                    g.num_heads, np.float32(1 / np.sqrt(g.head_dim)), ref)
+    cpu_attention(qkv, k16, v16, rb, pos, g, ref)
     assert rel_err(run_attention(backend, rb, g, qkv, k16, v16, dtype), ref) < TOL[dtype]
 
 
@@ -225,8 +234,7 @@ def test_append_attention_head_dim_128_gqa_4(backend):
     qkv, k16, v16 = attention_inputs(rng, rb, g)
     req, pos, _ = rb.cpu_meta()
     ref = np.zeros((rb.num_tokens, g.q_size), np.float32)
-    paged_attention(qkv, k16.astype(np.float32), v16.astype(np.float32), req, pos, rb.block_tables,
-                    g.num_heads, np.float32(1 / np.sqrt(g.head_dim)), ref)
+    cpu_attention(qkv, k16, v16, rb, pos, g, ref)
     assert rel_err(run_attention(backend, rb, g, qkv, k16, v16, "float32"), ref) < 1e-5
 
 

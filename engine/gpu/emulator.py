@@ -38,7 +38,7 @@ def available() -> bool:
 
 
 def _cxx_flags() -> list[str]:
-    return ["-std=c++20", "-pthread", f"-I{EMU_DIR}", "-include", str(EMU_DIR / "cuda_emu.h")]
+    return ["-std=c++17", f"-I{EMU_DIR}", "-include", str(EMU_DIR / "cuda_emu.h")]
 
 
 def _run(cmd: list[str], stdin: str | None = None) -> str:

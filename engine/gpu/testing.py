@@ -58,7 +58,7 @@ class Backend:
 
 
 BACKEND_PARAMS = [
-    pytest.param("emu", marks=pytest.mark.skipif(not emulator.available(), reason="needs g++ (C++20)")),
+    pytest.param("emu", marks=pytest.mark.skipif(not emulator.available(), reason="needs g++ (C++17)")),
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="CUDA not available")]),
 ]
 

@@ -2,13 +2,14 @@
 
 Each request appends T_i tokens on top of its cached prefix. A query at absolute
 position p attends to keys 0..p of its own request: the whole cached prefix plus
-the appended tokens up to itself (causal inside the run). The keys are visited in
-position order with an online softmax, so a query's output depends only on its
-request's keys and never on the batch or on how the prompt was chunked.
+the appended tokens up to itself (causal inside the run).
 
-q·k is summed in LANES partial sums (lane l takes dims l, l + LANES, ...) that are
-then added in lane order: a fixed order, so still exact-invariant, but the partial
-sums are plain elementwise updates that LLVM vectorises without fastmath.
+Layout: k_cache [num_blocks, num_kv_heads, head_dim, block_size] (K transposed inside
+a block), v_cache [num_blocks, block_size, num_kv_heads, head_dim]. A query computes
+the scores of a whole block at once (a vector op over the block's keys, each score a
+sequential sum over head_dim), then max, exp and sum in key order, then the weighted
+V sum in key order. Every step depends only on the query and its request's keys, so
+a query's output is the same whatever the batch or the prefill chunking.
 """
 
 from __future__ import annotations
@@ -18,77 +19,78 @@ import numpy as np
 
 from engine.kernels.ops import _twice
 
-LANES = 16
 PARALLEL_MIN_WORK = 2048  # query-heads x keys below which one thread beats waking the pool
 
 
 def _write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
-    """Scatter the new K/V rows into the cache.
-
-    qkv: [num_tokens, q_size + 2 * kv_size]; k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-    """
-    block_size = k_cache.shape[1]
-    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    """Scatter the new K/V rows into the cache. qkv: [num_tokens, q_size + 2 * kv_size]."""
+    num_kv, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     for t in nb.prange(qkv.shape[0]):
         slot = slot_mapping[t]
         b = slot // block_size
         o = slot % block_size
         for h in range(num_kv):
             for d in range(head_dim):
-                k_cache[b, o, h, d] = qkv[t, q_size + h * head_dim + d]
+                k_cache[b, h, d, o] = qkv[t, q_size + h * head_dim + d]
                 v_cache[b, o, h, d] = qkv[t, q_size + kv_size + h * head_dim + d]
 
 
-def _paged_attention(qkv, k_cache, v_cache, req_of_token, positions, block_tables, num_heads, scale, out):
+def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
     """out[t, h*hd:(h+1)*hd] = softmax(q·K^T * scale) V over keys 0..positions[t] of its request.
 
     qkv: [num_tokens, ...] (q heads first); out: [num_tokens, num_heads * head_dim].
-    Unsigned inner indices spare LLVM the negative-index checks that block vectorisation.
+    One work item = one request x one query head: all of the request's appended tokens
+    (a verify run) share each K/V block while it is in cache.
     """
-    block_size = k_cache.shape[1]
-    num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv
-    lanes = np.uint64(LANES)
-    num_chunks = np.uint64(head_dim // LANES)
-    num_full = head_dim // LANES * LANES
-    for item in nb.prange(qkv.shape[0] * num_heads):
-        t = item // num_heads
+    bs = np.uint64(block_size)
+    hd = np.uint64(head_dim)
+    num_reqs = cu_q.shape[0] - 1
+    for item in nb.prange(num_reqs * num_heads):
+        r = item // num_heads
         h = item % num_heads
         kvh = h // group
-        r = req_of_token[t]
-        q = qkv[t, h * head_dim : (h + 1) * head_dim]
-        acc = np.zeros(head_dim, dtype=np.float32)
-        part = np.zeros(LANES, dtype=np.float32)
-        m = np.float32(-np.inf)
-        denom = np.float32(0.0)
-        for j in range(positions[t] + 1):
-            k_row = k_cache[block_tables[r, j // block_size], j % block_size, kvh]  # [head_dim]
-            v_row = v_cache[block_tables[r, j // block_size], j % block_size, kvh]
-            for lane in range(lanes):
-                part[lane] = np.float32(0.0)
-            for c in range(num_chunks):
-                base = c * lanes
-                for lane in range(lanes):
-                    part[lane] += q[base + lane] * k_row[base + lane]
-            for d in range(num_full, head_dim):  # head_dim not a multiple of LANES
-                part[d - num_full] += q[d] * k_row[d]
-            s = np.float32(0.0)
-            for lane in range(lanes):
-                s += part[lane]
-            s *= scale
-            if s > m:  # online softmax: rescale what was summed under the old maximum
-                corr = np.exp(m - s)
-                denom *= corr
-                for d in range(head_dim):
-                    acc[d] *= corr
-                m = s
-            p = np.exp(s - m)
-            denom += p
-            for d in range(np.uint64(head_dim)):
-                acc[d] += p * v_row[d]
-        inv = np.float32(1.0) / denom
-        for d in range(head_dim):
-            out[t, h * head_dim + d] = acc[d] * inv
+        t0 = cu_q[r]
+        num_q = cu_q[r + 1] - t0
+        num_blocks = (positions[t0 + num_q - 1] + block_size) // block_size
+        scores = np.empty((num_q, num_blocks * block_size), dtype=np.float32)  # [queries, keys]
+        for i in range(num_blocks):  # scores, one K block at a time
+            k_blk = k_cache[block_tables[r, i], kvh]  # [head_dim, block_size]
+            for qi in range(num_q):
+                s = scores[qi, i * block_size : (i + 1) * block_size]
+                for o in range(bs):
+                    s[o] = np.float32(0.0)
+                for d in range(hd):
+                    qd = qkv[t0 + qi, h * head_dim + d]
+                    for o in range(bs):
+                        s[o] += qd * k_blk[d, o]
+        inv = np.empty(num_q, dtype=np.float32)
+        for qi in range(num_q):  # softmax over keys 0..position, in key order
+            num_keys = positions[t0 + qi] + 1
+            m = np.float32(-np.inf)
+            for j in range(num_keys):
+                scores[qi, j] *= scale
+                if scores[qi, j] > m:
+                    m = scores[qi, j]
+            denom = np.float32(0.0)
+            for j in range(num_keys):
+                e = np.exp(scores[qi, j] - m)
+                scores[qi, j] = e
+                denom += e
+            inv[qi] = np.float32(1.0) / denom
+        acc = np.zeros((num_q, head_dim), dtype=np.float32)
+        for i in range(num_blocks):  # weighted V sum, one V block at a time, keys in order
+            v_blk = v_cache[block_tables[r, i]]  # [block_size, num_kv, head_dim]
+            for qi in range(num_q):
+                num_keys = positions[t0 + qi] + 1
+                for o in range(min(block_size, num_keys - i * block_size)):
+                    p = scores[qi, i * block_size + o]
+                    for d in range(hd):
+                        acc[qi, d] += p * v_blk[o, kvh, d]
+        for qi in range(num_q):
+            for d in range(head_dim):
+                out[t0 + qi, h * head_dim + d] = acc[qi, d] * inv[qi]
 
 
 _WRITE_KV = _twice(_write_kv)
@@ -100,8 +102,8 @@ def write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
     fn(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size)
 
 
-def paged_attention(qkv, k_cache, v_cache, req_of_token, positions, block_tables, num_heads, scale, out):
+def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
     num_tokens = qkv.shape[0]
     work = num_tokens * num_heads * (int(positions.max()) + 1) if num_tokens else 0
     fn = _ATTENTION[1] if work >= PARALLEL_MIN_WORK else _ATTENTION[0]
-    fn(qkv, k_cache, v_cache, req_of_token, positions, block_tables, num_heads, np.float32(scale), out)
+    fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), out)
