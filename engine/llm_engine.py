@@ -168,7 +168,9 @@ class LLMEngine:
         seq.num_drafts += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted
-        seq.acceptance_ema = 0.7 * seq.acceptance_ema + 0.3 * (num_accepted / num_drafts)
+        seq.first_accept_ema = 0.7 * seq.first_accept_ema + 0.3 * (num_accepted > 0)
+        if num_accepted > 0 and num_drafts > 1:
+            seq.cont_accept_ema = 0.7 * seq.cont_accept_ema + 0.3 * ((num_accepted - 1) / (num_drafts - 1))
         self.totals["num_drafts"] += 1
         self.totals["num_draft_tokens"] += num_drafts
         self.totals["num_accepted_tokens"] += num_accepted

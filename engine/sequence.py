@@ -38,7 +38,9 @@ class Sequence:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.acceptance_ema = 0.5  # running estimate of the per-token draft acceptance rate
+        # Running estimates: P(first draft accepted), P(next draft accepted | previous accepted).
+        self.first_accept_ema = 0.5
+        self.cont_accept_ema = 0.8
         self.steps_without_drafts = 0
 
     @property

@@ -4,11 +4,12 @@ Three limits, smallest wins:
 - the request's own cap (`num_speculative_tokens` in the request; 0 = off) and the server's K;
 - a per-step draft-token budget shared by the batch (FastDeploy-style), so speculation
   backs off under load instead of slowing everyone down;
-- an acceptance-aware choice: with per-token acceptance rate a, a chain of k drafts
-  yields E[tokens] = (1 - a^(k+1)) / (1 - a) per verify of k+1 tokens whose cost,
-  relative to a plain decode, is cost(k+1) from the runner's measured verify curve.
-  We pick the k that maximises E[tokens] / cost(k+1); at low acceptance that is k = 0,
-  which is plain decoding.
+- an acceptance-aware choice. Model-free drafts are accepted in runs: once the first
+  draft token passes, the next ones almost always do. With a1 = P(first draft accepted)
+  and c = P(next accepted | previous accepted), a chain of k drafts yields
+  E[tokens] = 1 + a1 (1 - c^k) / (1 - c) per verify of k+1 tokens, whose cost relative to
+  a plain decode is cost(k+1) from the runner's measured verify curve. We pick the k
+  that maximises E[tokens] / cost(k+1); at low acceptance that is k = 0, plain decoding.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import numpy as np
 PROBE_EVERY = 8  # steps
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(first: float, cont: float, k: int) -> float:
+    if k == 0:
+        return 1.0
+    if cont >= 1.0:
+        return 1.0 + first * k
+    return 1.0 + first * (1.0 - cont**k) / (1.0 - cont)
 
 
 class DraftController:
@@ -37,9 +40,9 @@ class DraftController:
     def start_step(self) -> None:
         self.left = self.step_budget
 
-    def best_k(self, alpha: float, cap: int) -> int:
+    def best_k(self, first: float, cont: float, cap: int) -> int:
         cap = min(cap, self.max_k, len(self.verify_cost) - 2)
-        rates = [expected_tokens(alpha, k) / self.verify_cost[k + 1] for k in range(cap + 1)]
+        rates = [expected_tokens(first, cont, k) / self.verify_cost[k + 1] for k in range(cap + 1)]
         return int(np.argmax(rates))
 
     def room(self, requested_cap: int | None, seq, remaining_tokens: int) -> int:
@@ -47,7 +50,7 @@ class DraftController:
         cap = min(cap, remaining_tokens - 1)
         if cap <= 0:
             return 0
-        k = self.best_k(seq.acceptance_ema, cap)
+        k = self.best_k(seq.first_accept_ema, seq.cont_accept_ema, cap)
         if k == 0 and seq.steps_without_drafts >= PROBE_EVERY:
             k = 1  # probe now and then, so a request whose acceptance recovers gets drafts again
         if self.step_budget:

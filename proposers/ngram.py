@@ -6,7 +6,7 @@ tokens that followed the match, up to this step's `max_draft_tokens`.
 
 Choices, and why:
 - Defaults 5 / 2. A 1-token key matches almost everywhere and drafts noise, and every rejected
-  draft still costs verify compute (on our CPU a T=8 forward costs 1.6-1.9x a T=1 one), so the
+  draft still costs verify compute (on our 2-core CPU a T=8 forward costs about 4x a T=1 one), so the
   shortest key is 2, as in FastDeploy's hybrid matcher and HF's default. Keys longer than 5 rarely
   change which continuation wins; vLLM and FastDeploy also stop at 5.
 - The MOST RECENT occurrence wins among equally long matches (vLLM, FastDeploy and HF pick the
