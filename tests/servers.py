@@ -7,6 +7,7 @@ Not a test module: `test_serving`, `test_faults`, `test_security`, `test_hostile
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -36,6 +37,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gateway_and_worker(tmp: pathlib.Path, model_path: pathlib.Path, env: dict[str, str] | None = None):
+    """A gateway and one ready worker ("w1") for a test module; everything stopped afterwards."""
+    c = Cluster(tmp, model_path, env=env)
+    c.start("gateway", "gateway")
+    c.start_worker("w1")
+    try:
+        c.wait_workers(1)
+        yield c
+    finally:
+        c.stop_all()
 
 
 class Cluster:

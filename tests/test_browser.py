@@ -15,7 +15,7 @@ import shutil
 import time
 
 import pytest
-from servers import Cluster, http
+from servers import gateway_and_worker, http
 
 from gateway.pages import TokenRate, aggregate
 
@@ -91,14 +91,9 @@ def test_token_rate_uses_a_sliding_window():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_path):
-    c = Cluster(tmp_path_factory.mktemp("browser_servers"), model_path, env={"SPECULANT_API_KEY": API_KEY})
-    c.start("gateway", "gateway")
-    c.start_worker("w1")
-    try:
-        c.wait_workers(1)
+    env = {"SPECULANT_API_KEY": API_KEY}
+    with gateway_and_worker(tmp_path_factory.mktemp("browser_servers"), model_path, env) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 def test_stats_endpoint_reports_workers_and_tokens(cluster):

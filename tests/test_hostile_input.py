@@ -13,7 +13,7 @@ import socket
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import Cluster, http
+from servers import gateway_and_worker, http
 
 pytestmark = pytest.mark.slow
 BODY_LIMIT = 64 * 1024
@@ -30,14 +30,9 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_path):
-    c = Cluster(tmp_path_factory.mktemp("hostile"), model_path, env={"SPECULANT_MAX_BODY_BYTES": str(BODY_LIMIT)})
-    c.start("gateway", "gateway")
-    c.start_worker("w1")
-    try:
-        c.wait_workers(1)
+    env = {"SPECULANT_MAX_BODY_BYTES": str(BODY_LIMIT)}
+    with gateway_and_worker(tmp_path_factory.mktemp("hostile"), model_path, env) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,9 @@ def cluster(hosts, tmp_path_factory, model_path):
     for i, ns in ((1, hosts.w1), (2, hosts.w2)):
         env = {"SPECULANT_ENGINE_ENDPOINT": f"tcp://{SUBNET}.{i}.1:{ZMQ_PORT}",
                "SPECULANT_CURVE_NAME": "worker" if i == 1 else "host2"}
-        c.start_worker(f"w{i}", env=env, prefix=("ip", "netns", "exec", ns))
+        # A long context, so the victim's request surely outlives the link timeouts on any machine.
+        c.start_worker(f"w{i}", "--max-model-len", "2048", "--kv-cache-memory", "0.25", env=env,
+                       prefix=("ip", "netns", "exec", ns))
     try:
         c.wait_workers(2)
         yield c
@@ -129,7 +131,7 @@ async def test_a_cut_link_fails_only_that_workers_requests(hosts, cluster):
     model = http(f"{cluster.url}/v1/models")[1]["data"][0]["id"]
     story = {"model": model, "prompt": "Write a long story about the sea.", "temperature": 0, "ignore_eos": True}
     # No drafting: the long request must outlive the link timeouts on any machine.
-    long_body = {**story, "max_tokens": 480, "speculative": {"n_max": 0}}
+    long_body = {**story, "max_tokens": 1900, "speculative": {"n_max": 0}}
     async with aiohttp.ClientSession() as session:
         long = Stream(session, cluster.url, long_body)
         await asyncio.wait_for(long.first.wait(), 120)

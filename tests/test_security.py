@@ -18,7 +18,7 @@ import openai
 import pytest
 import zmq
 import zmq.auth
-from servers import MAX_MODEL_LEN, REPO, Cluster, free_port, http
+from servers import MAX_MODEL_LEN, REPO, free_port, gateway_and_worker, http
 from zmq.utils.monitor import parse_monitor_message
 
 from engine import protocol, zmq_security
@@ -40,14 +40,8 @@ def key_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_path, key_dir):
     env = {"SPECULANT_API_KEY": ",".join(KEYS), "SPECULANT_CURVE_DIR": str(key_dir)}
-    c = Cluster(tmp_path_factory.mktemp("security"), model_path, env=env)
-    c.start("gateway", "gateway")
-    c.start_worker("w1")
-    try:
-        c.wait_workers(1)
+    with gateway_and_worker(tmp_path_factory.mktemp("security"), model_path, env) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest.fixture(scope="module")

@@ -18,21 +18,15 @@ import time
 import aiohttp
 import openai
 import pytest
-from servers import ENGINE_ARGS, LONG, MAX_MODEL_LEN, MAX_PENDING, REPO, START_TIMEOUT, Cluster, free_port, http
+from servers import ENGINE_ARGS, LONG, MAX_MODEL_LEN, MAX_PENDING, REPO, START_TIMEOUT, free_port, gateway_and_worker, http
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory, model_path):
-    c = Cluster(tmp_path_factory.mktemp("serving"), model_path)
-    c.start("gateway", "gateway")
-    c.start_worker("w1")
-    try:
-        c.wait_workers(1)
+    with gateway_and_worker(tmp_path_factory.mktemp("serving"), model_path) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 @pytest.fixture(scope="session")
