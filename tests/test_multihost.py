@@ -136,11 +136,9 @@ async def test_a_cut_link_fails_only_that_workers_requests(hosts, cluster):
         long = Stream(session, cluster.url, long_body)
         await asyncio.wait_for(long.first.wait(), 120)
         victim = await running_on(cluster, ("w1", "w2"))
-        # Cut at once, while the long request surely runs; the gateway still counts it in flight on
-        # the victim, so the short request goes to the other worker.
-        hosts.set_worker_link(int(victim[1]), up=False)
-        short = Stream(session, cluster.url, {**story, "max_tokens": 60})
+        short = Stream(session, cluster.url, {**story, "max_tokens": 60})  # fewest in flight: the other worker
         await asyncio.wait_for(short.first.wait(), 120)
+        hosts.set_worker_link(int(victim[1]), up=False)
         await asyncio.wait_for(asyncio.gather(long.task, short.task), 180)
     assert long.error["code"] == "engine_worker_lost" and long.done  # an error event, then [DONE]
     assert short.error is None and short.finish_reason == "length" and short.done
