@@ -57,7 +57,7 @@ class StepBatch:
             self.slot_of_item.append(num_sampling)
             num_sampling += 1
         self.num_sampling = num_sampling
-        self.draft_probs = np.concatenate(probs) if probs and self.has_draft_probs[:num_sampling].any() else None
+        self.draft_probs = self._stack_probs(probs) if self.has_draft_probs[:num_sampling].any() else None
         return self
 
     def _index_drafts(self, sched, drafts) -> dict:
@@ -65,7 +65,7 @@ class StepBatch:
             return {}
         asked = [s.seq.request_id for s in sched if s.max_draft_tokens > 0]
         probs = drafts.probs or [None] * len(asked)
-        return {rid: (ids[: s_max], p) for rid, ids, p, s_max in
+        return {rid: (ids[:s_max], None if p is None else p[:s_max]) for rid, ids, p, s_max in
                 zip(asked, drafts.token_ids, probs, [s.max_draft_tokens for s in sched if s.max_draft_tokens > 0])}
 
     def _add_sampling(self, r, seq, d_ids, num_d, d_probs, probs) -> None:
@@ -76,11 +76,15 @@ class StepBatch:
             self.draft_ids[lo - r : lo - r + num_d] = d_ids
         self.has_draft_probs[r] = d_probs is not None
         if num_d:
-            probs.append(d_probs if d_probs is not None else np.zeros((num_d, self.vocab_size), np.float32))
+            probs.append((d_probs, num_d))  # materialised only if some request has real draft probs
         self.temperature[r] = params.temperature
         self.top_p[r] = params.top_p
         self.top_k[r] = params.top_k
         self.uniforms[lo : lo + 1 + num_d] = seq.rng.random((1 + num_d, 2))
+
+    def _stack_probs(self, probs) -> np.ndarray:
+        """[num_drafts, vocab] q rows; one-hot (model-free) requests get zero rows the kernel ignores."""
+        return np.concatenate([p if p is not None else np.zeros((n, self.vocab_size), np.float32) for p, n in probs])
 
     def verify(self, logits: np.ndarray, spec) -> None:
         """Run the batched verification kernel over every sampling request at once."""
