@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
 from types import SimpleNamespace
 
@@ -121,25 +122,44 @@ def transformers_decode_rate(path, prompt_ids, num_tokens: int) -> float | None:
     return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
 
 
-def main(argv=None) -> int:
-    args = parse(argv or [])
+def run(args, progress: bool = False) -> dict:
+    """Every measurement of this benchmark, as one dict (`progress`: a tqdm bar over the stages)."""
     from engine.llm_engine import LLMEngine
     from engine.model_files import resolve_model
 
     eng = LLMEngine.from_args(engine_args(args, args.decode_tokens))
     runner = eng.runner
     prompt_ids = (np.arange(args.context) * 37 % 30000 + 100).tolist()
-    res = {"machine_threads": runner_threads(), "weight_bytes": int(runner.weight_bytes)}
-    res["read_bandwidth_gbs"] = read_bandwidth_gbs()
-    res["floor_ms"] = runner.weight_bytes / (res["read_bandwidth_gbs"] * 1e9) * 1000
-    res["verify_ms"] = verify_curve(runner, args.context, args.repeats)
-    res["verify_ratio"] = {t: v / res["verify_ms"][1] for t, v in res["verify_ms"].items()}
-    res["prefill_tok_s"] = prefill_rate(eng, args.context)
-    res["decode_tok_s_b1"] = decode_rate(eng, prompt_ids, 1, args.decode_tokens)
-    res["decode_tok_s_b8"] = decode_rate(eng, prompt_ids, 8, args.decode_tokens)
-    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    res = {"machine_threads": runner_threads(), "weight_bytes": int(runner.weight_bytes), "context": args.context}
+    stages = [
+        ("read_bandwidth_gbs", read_bandwidth_gbs),
+        ("verify_ms", lambda: verify_curve(runner, args.context, args.repeats)),
+        ("prefill_tok_s", lambda: prefill_rate(eng, args.context)),
+        ("decode_tok_s_b1", lambda: decode_rate(eng, prompt_ids, 1, args.decode_tokens)),
+        ("decode_tok_s_b8", lambda: decode_rate(eng, prompt_ids, 8, args.decode_tokens)),
+    ]
     if args.peers:
-        res["transformers_fp32_decode_tok_s_b1"] = transformers_decode_rate(resolve_model(args.model), prompt_ids, 32)
+        stages.append(("transformers_fp32_decode_tok_s_b1",
+                       lambda: transformers_decode_rate(resolve_model(args.model), prompt_ids, 32)))
+    for key, measure in _stages(stages, progress):
+        res[key] = measure()
+    res["floor_ms"] = runner.weight_bytes / (res["read_bandwidth_gbs"] * 1e9) * 1000
+    res["verify_ratio"] = {t: v / res["verify_ms"][1] for t, v in res["verify_ms"].items()}
+    res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
+
+
+def _stages(stages: list, progress: bool):
+    if not progress:
+        return stages
+    from tqdm import tqdm
+
+    return tqdm(stages, desc="bench model", unit="stage", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    args = parse(argv or [])
+    res = run(args)
     report(res)
     if args.json:
         with open(args.json, "w") as f:

@@ -76,11 +76,9 @@ def instrument(engine):
 
 def reset_proposer(engine) -> None:
     """A fresh proposer of the same class and config: no state carried over from earlier blocks."""
-    if engine.proposer is None:
-        return
     if engine.has_unfinished():
         raise ValueError("engines: cannot reset the proposer of an engine with running requests")
-    engine.proposer = type(engine.proposer)(engine.spec, engine.runner.config.vocab_size)
+    engine.reset_proposers()
 
 
 def block_raw(results: list[dict], wall_s: float, timers: BlockTimers) -> dict:

@@ -74,13 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the chat template")
 
-    p = sub.add_parser("bench", help="benchmarks: model, spec, serve")
-    p.add_argument("what", choices=["model", "spec", "serve", "proposers", "linear", "gpu"])
+    p = sub.add_parser("bench", help="benchmarks: all (one report), model, spec, serve, peers, ...")
+    p.add_argument("what", choices=["all", "model", "spec", "serve", "peers", "proposers", "linear", "gpu"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for that benchmark (see --help there)")
+
+    p = sub.add_parser("train-head", help="self-distil an EAGLE / MTP / Medusa draft head (needs speculant[train])")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments (see `speculant train-head --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train-head"]:  # its arguments all start with "--", which argparse's REMAINDER cannot take first
+        from proposers.training.cli import main as train_main
+
+        return int(train_main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         import importlib

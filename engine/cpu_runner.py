@@ -7,6 +7,7 @@ the rows listed in `batch.logits_indices`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numba
@@ -63,12 +64,27 @@ class ForwardBatch:
 
 
 class CpuRunner:
-    def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0):
+    """`num_layers` < the model's keeps only its first layers (a self-speculative draft);
+    `weights_from` shares another runner's packed weights instead of packing them again."""
+
+    def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0,
+                 num_layers: int | None = None, weights_from: "CpuRunner | None" = None):
         if num_threads > 0:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
-        self.config = cfg = model.config
+        cfg = model.config
+        if num_layers is not None:
+            if not 1 <= num_layers <= cfg.num_layers:
+                raise ValueError(f"num_layers must be in 1..{cfg.num_layers}, got {num_layers}")
+            cfg = dataclasses.replace(cfg, num_layers=num_layers)
+        self.config = cfg
         self.cache = cache
-        self._load_weights(model)
+        self.capture_hidden = False  # also keep the final-normed hidden state of every row
+        if weights_from is not None:
+            self.embed, self.final_norm, self.lm_head = weights_from.embed, weights_from.final_norm, weights_from.lm_head
+            self.layers = weights_from.layers[: cfg.num_layers]
+        else:
+            self._load_weights(model)
+        self.weight_bytes = sum(w.nbytes for layer in self.layers for w in layer[1:3] + layer[4:6]) + self.lm_head.nbytes
         max_pos = max(cache.max_model_len, 1)
         self.rope_cos, self.rope_sin = ops.rope_tables(
             max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors()
@@ -103,7 +119,6 @@ class CpuRunner:
         self.final_norm = model.dense("output_norm.weight")
         head = self.embed if cfg.tied_embeddings else model.tensor("output.weight")
         self.lm_head = pack_gguf_tensor(head)
-        self.weight_bytes = sum(w.nbytes for layer in self.layers for w in layer[1:3] + layer[4:6]) + self.lm_head.nbytes
 
     def _alloc_activations(self) -> None:
         cfg, n = self.config, self.cache.max_num_batched_tokens
@@ -115,6 +130,7 @@ class CpuRunner:
         self.gate_up = np.zeros((n, 2 * cfg.intermediate_size), np.float32)
         self.act = np.zeros((n, cfg.intermediate_size), np.float32)
         self.logits = np.zeros((n, cfg.vocab_size), np.float32)
+        self.hidden = np.zeros((n, cfg.hidden_size), np.float32)  # final-normed rows, when captured
         self.req_of_token = np.zeros(n, np.int32)
         self.positions = np.zeros(n, np.int32)
         self.slot_mapping = np.zeros(n, np.int32)
@@ -148,9 +164,17 @@ class CpuRunner:
             linear(self.act[:T], w_down, delta)
         ops.add_inplace(x, delta)
         L = batch.num_logits
-        rows = x[batch.logits_indices[:L]]  # [num_logits, hidden]
-        normed = np.empty_like(rows)
-        ops.rms_norm(rows, self.final_norm, cfg.rms_eps, normed)
+        if self.capture_hidden:  # per-row norm: the logits rows get exactly the same values either way
+            ops.rms_norm(x, self.final_norm, cfg.rms_eps, self.hidden[:T])
+            normed = self.hidden[batch.logits_indices[:L]]  # [num_logits, hidden]
+        else:
+            rows = x[batch.logits_indices[:L]]  # [num_logits, hidden]
+            normed = np.empty_like(rows)
+            ops.rms_norm(rows, self.final_norm, cfg.rms_eps, normed)
         logits = self.logits[:L]
         linear(normed, self.lm_head, logits)
         return logits
+
+    def hidden_states(self, num_tokens: int) -> np.ndarray:
+        """[num_tokens, hidden] final-normed hidden states of the last forward (needs `capture_hidden`)."""
+        return self.hidden[:num_tokens]

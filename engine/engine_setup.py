@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class EngineParts:
     proposer: Any
     spec: Any
     controller: DraftController
+    bind: Any  # bind(proposer): hand a proposer the target (for proposers built later)
 
 
 def cache_config(args, model: GGUFModel) -> CacheConfig:
@@ -50,8 +52,9 @@ def cache_config(args, model: GGUFModel) -> CacheConfig:
     return CacheConfig(args.block_size, num_blocks, max_model_len, args.max_num_seqs, args.max_num_batched_tokens)
 
 
-def measure_verify_curve(runner: CpuRunner, max_t: int, repeats: int = 7, context: int = 256) -> np.ndarray:
-    """cost[T] = forward time with T appended tokens / with 1 token, at a realistic context.
+def measure_verify_curve(runner: CpuRunner, max_t: int, repeats: int = 7, context: int = 256) -> tuple[np.ndarray, float]:
+    """(cost, t1): cost[T] = forward time with T appended tokens / with 1 token, at a realistic
+    context; t1 = the seconds of a T = 1 forward.
 
     Samples are interleaved across T and the minimum kept (noise only ever adds time), and
     the curve is made non-decreasing: verifying more tokens never costs less. Also warms the JIT.
@@ -70,7 +73,7 @@ def measure_verify_curve(runner: CpuRunner, max_t: int, repeats: int = 7, contex
             runner.forward(fb)
             best[t] = min(best[t], time.perf_counter() - start)
     best[0] = best[1]
-    return np.maximum.accumulate(best / best[1])
+    return np.maximum.accumulate(best / best[1]), float(best[1])
 
 
 def make_runner(model: GGUFModel, cache: CacheConfig, args):
@@ -85,6 +88,18 @@ def make_runner(model: GGUFModel, cache: CacheConfig, args):
 
         return make_gpu_runner(model, cache, args)
     return CpuRunner(model, cache, getattr(args, "threads", 0))
+
+
+def bind_proposer(proposer, model: GGUFModel, runner, cache: CacheConfig) -> None:
+    """Give a proposer the target (model-based ones load weights here); turn on hidden-state capture."""
+    from proposers.base import TargetModel
+
+    proposer.bind_target(TargetModel(model, runner, cache))
+    if proposer.uses_hidden_states:
+        if not hasattr(runner, "capture_hidden"):
+            raise ValueError(f"speculative_config.method: {type(proposer).__name__} needs the target's hidden "
+                             f"states, which the {type(runner).__name__} backend does not provide")
+        runner.capture_hidden = True
 
 
 def build_engine_parts(args) -> EngineParts:
@@ -106,12 +121,15 @@ def build_engine_parts(args) -> EngineParts:
         from proposers.registry import load_proposer_class
 
         proposer = load_proposer_class(spec.method)(spec, model.config.vocab_size)
+        bind_proposer(proposer, model, runner, cache)
         max_k = spec.num_speculative_tokens
         budget = spec.max_draft_tokens_per_step
     max_k = min(max_k, max(cache.max_num_batched_tokens - 1, 0), 16)
-    curve = measure_verify_curve(runner, min(max_k, 16)) if max_k else None
+    curve, t1 = measure_verify_curve(runner, min(max_k, 16)) if max_k else (None, 0.0)
     if curve is not None:
-        log.info("verify curve (cost relative to T=1): %s", np.round(curve[1:], 2).tolist())
+        log.info("verify curve (cost relative to T=1 = %.2f ms): %s", t1 * 1e3, np.round(curve[1:], 2).tolist())
     name = getattr(args, "served_model_name", None) or args.model
     log.info("model %s: %s, %d KV blocks of %d tokens", name, model.config.name, cache.num_blocks, cache.block_size)
-    return EngineParts(name, cache, tokenizer, runner, scheduler, proposer, spec, DraftController(max_k, budget, curve))
+    bind = functools.partial(bind_proposer, model=model, runner=runner, cache=cache)
+    return EngineParts(name, cache, tokenizer, runner, scheduler, proposer, spec,
+                       DraftController(max_k, budget, curve, t1), bind)

@@ -12,6 +12,7 @@ row. Output tokens of a step = accepted + (recovered or bonus), so at least one.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from engine.engine_setup import EngineParts, build_engine_parts
 from engine.errors import InvalidRequest
 from engine.output_processor import OutputState, make_output
 from engine.protocol import Generate, Output, WorkerStats
+from engine.proposer_pool import ProposerPool
 from engine.request_input import prompt_token_ids, validate_params
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -36,7 +38,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.runner = parts.runner
         self.scheduler = parts.scheduler
-        self.proposer = parts.proposer
+        self.proposers = ProposerPool(parts.proposer, parts.spec, parts.bind)
         self.spec = parts.spec
         self.spec_method = parts.spec.method if parts.spec else None
         self.num_speculative_tokens = parts.spec.num_speculative_tokens if parts.spec else 0
@@ -57,13 +59,13 @@ class LLMEngine:
     def add_request(self, msg: Generate) -> None:
         if msg.request_id in self.seqs:
             raise InvalidRequest(f"duplicate request id {msg.request_id!r}", "request_id")
+        self.proposers.get(msg.params.speculative_method)  # an unknown method is refused before anything starts
         ids = prompt_token_ids(msg, self.tokenizer)
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
         seq = Sequence(msg.request_id, ids, msg.params, self.max_model_len + self.num_speculative_tokens + 1)
         self.seqs[seq.request_id] = seq
         self.states[seq.request_id] = OutputState(self.tokenizer, seq, self.max_model_len)
-        if self.proposer is not None:
-            self.proposer.start_request(seq.request_id, seq.token_ids[: seq.num_tokens])
+        self.proposers.start(seq.request_id, msg.params.speculative_method, seq.token_ids[: seq.num_tokens])
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -82,8 +84,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         self.states.pop(seq.request_id, None)
-        if self.proposer is not None:
-            self.proposer.stop_request(seq.request_id)
+        self.proposers.stop(seq.request_id)
 
     # ------------------------------------------------------------------ the step
 
@@ -105,7 +106,7 @@ class LLMEngine:
         return self.scheduler.schedule(self._draft_room).scheduled
 
     def _draft_room(self, seq: Sequence) -> int:
-        if self.proposer is None:
+        if self.proposers.of(seq.request_id) is None:
             return 0
         remaining = seq.params.max_tokens - seq.num_output_tokens
         return self.controller.room(seq.params.num_speculative_tokens, seq, remaining)
@@ -118,17 +119,23 @@ class LLMEngine:
 
         asks = [
             DraftRequest(s.seq.request_id, s.seq.token_ids[: s.seq.num_tokens], s.seq.num_prompt_tokens,
-                         s.max_draft_tokens, s.seq.params.temperature)
+                         s.max_draft_tokens, s.seq.params.temperature, s.seq.rng)
             for s in sched if s.max_draft_tokens > 0
         ]
-        return self.proposer.propose(asks) if asks else None
+        if not asks:
+            return None
+        start = time.perf_counter()
+        drafts = self.proposers.propose(asks)
+        self.controller.note_draft_time(time.perf_counter() - start, sum(len(t) for t in drafts.token_ids))
+        return drafts
 
     def accept_and_emit(self, sched: list[ScheduledSeq], logits: np.ndarray) -> list[Output]:
         outputs = []
         for i, item in enumerate(sched):
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
             result = self.step_batch.result(i)
+            self._observe_hidden(i, item, 0 if result is None else result[2])
+            seq.num_computed_tokens += item.num_new_tokens
             if result is None:  # partial prefill chunk: nothing sampled yet
                 self._hash_blocks(seq)
                 continue
@@ -148,12 +155,31 @@ class LLMEngine:
         logprobs = None
         if seq.params.logprobs is not None:
             logprobs = state.logprobs(logits[rows[:num_taken]], taken, seq.params.logprobs)
-        if self.proposer is not None:
-            self.proposer.extend_request(seq.request_id, taken)
+        self.proposers.extend(seq.request_id, taken)
         out = make_output(seq, state, taken, drafted, logprobs)
         if seq.finish_reason is not None:
             self._release(seq)
         return out
+
+    def _observe_hidden(self, i: int, item: ScheduledSeq, num_accepted: int) -> None:
+        """Hand a hidden-state proposer the target features of the rows that are now true tokens."""
+        if not self.runner_captures_hidden():
+            return
+        first_row = int(self.step_batch.forward.cu_q[i])
+        num_true = item.num_new_tokens + num_accepted  # the appended tokens, then the accepted drafts
+        self.proposers.observe_hidden(item.seq.request_id, item.seq.num_computed_tokens,
+                                      lambda: self.runner.hidden_states(first_row + num_true)[first_row:])
+
+    def runner_captures_hidden(self) -> bool:
+        return getattr(self.runner, "capture_hidden", False)
+
+    @property
+    def proposer(self):
+        """The configured proposer (None: no speculation)."""
+        return self.proposers.default
+
+    def reset_proposers(self) -> None:
+        self.proposers.reset()
 
     def _hash_blocks(self, seq: Sequence) -> None:
         seq.num_hashed_blocks, seq.last_block_hash = self.scheduler.blocks.register_full_blocks(

@@ -29,6 +29,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token + top-k alternatives
     # Per-request speculation cap (llama.cpp's speculative.n_max): None = server default, 0 = off.
     num_speculative_tokens: int | None = None
+    speculative_method: str | None = None  # another installed proposer for this request (None = the server's)
     include_provenance: bool = False  # opt-in per-token "drafted vs target" flags on the stream
 
 

@@ -9,7 +9,9 @@ Three limits, smallest wins:
   and c = P(next accepted | previous accepted), a chain of k drafts yields
   E[tokens] = 1 + a1 (1 - c^k) / (1 - c) per verify of k+1 tokens, whose cost relative to
   a plain decode is cost(k+1) from the runner's measured verify curve. We pick the k
-  that maximises E[tokens] / cost(k+1); at low acceptance that is k = 0, plain decoding.
+  that maximises E[tokens] / (cost(k+1) + k * d), where d is the proposer's measured time per
+  draft token relative to a plain decode (about 0 for lookups, a real share for a draft model or
+  head); at low acceptance that is k = 0, plain decoding.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def expected_tokens(first: float, cont: float, k: int) -> float:
 
 
 class DraftController:
-    def __init__(self, max_k: int, step_budget: int, verify_cost: np.ndarray | None = None):
+    def __init__(self, max_k: int, step_budget: int, verify_cost: np.ndarray | None = None, t1_seconds: float = 0.0):
         self.max_k = max_k
         self.step_budget = step_budget  # 0 = unlimited
         # verify_cost[T] = time of a forward with T tokens / time with 1 token (T = 1..max_k + 1)
@@ -36,13 +38,21 @@ class DraftController:
             verify_cost = np.ones(max_k + 2)
         self.verify_cost = verify_cost
         self.left = step_budget
+        self.t1_seconds = t1_seconds  # a plain decode forward, the unit of cost
+        self.draft_cost = 0.0  # EMA of one draft token's proposer time, in units of t1
+
+    def note_draft_time(self, seconds: float, num_draft_tokens: int) -> None:
+        if num_draft_tokens > 0 and self.t1_seconds > 0:
+            cost = seconds / num_draft_tokens / self.t1_seconds
+            self.draft_cost = 0.8 * self.draft_cost + 0.2 * cost if self.draft_cost else cost
 
     def start_step(self) -> None:
         self.left = self.step_budget
 
     def best_k(self, first: float, cont: float, cap: int) -> int:
         cap = min(cap, self.max_k, len(self.verify_cost) - 2)
-        rates = [expected_tokens(first, cont, k) / self.verify_cost[k + 1] for k in range(cap + 1)]
+        rates = [expected_tokens(first, cont, k) / (self.verify_cost[k + 1] + k * self.draft_cost)
+                 for k in range(cap + 1)]
         return int(np.argmax(rates))
 
     def room(self, requested_cap: int | None, seq, remaining_tokens: int) -> int:

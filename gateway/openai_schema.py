@@ -21,13 +21,13 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
 
 class SpeculativeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """llama.cpp-style per-request speculation cap: `{"n_max": 0}` turns speculation off.
-
-    Unknown keys are refused (not ignored): a client asking for, say, another proposer per
-    request must learn that it did not get it; the method is fixed when the worker starts.
+    """Per-request speculation: `n_max` caps drafts per step (llama.cpp's name; 0 turns speculation
+    off), `method` picks another installed proposer for this request (the worker builds it with
+    its default options on first use). Unknown keys are refused, never ignored.
     """
 
     n_max: int | None = None
+    method: str | None = None
 
 
 class SpeculantOptions(msgspec.Struct, kw_only=True):

@@ -2,12 +2,13 @@
 
 Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
-and a per-request speculation cap `speculative.n_max` in 0..64.
+a per-request speculation cap `speculative.n_max` in 0..64, and `speculative.method` a proposer name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import msgspec
 
@@ -76,6 +77,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions) -> protocol.Samp
         ignore_eos=bool(req.ignore_eos),
         logprobs=opts.logprobs,
         num_speculative_tokens=_spec_cap(req),
+        speculative_method=_spec_method(req),
         include_provenance=opts.provenance,
     )
 
@@ -88,12 +90,23 @@ def _stop_strings(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+_METHOD_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
 def _stop_token_ids(ids: list[int] | None) -> list[int]:
     ids = list(ids or [])
     _require(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
     _require(all(0 <= i <= MAX_TOKEN_ID for i in ids), "stop_token_ids",
              "stop_token_ids must be non-negative token ids")
     return ids
+
+
+def _spec_method(req: SamplingRequest) -> str | None:
+    method = req.speculative.method if req.speculative is not None else None
+    if method is not None:
+        _require(_METHOD_NAME.fullmatch(method) is not None, "speculative.method",
+                 "speculative.method must be a proposer name (letters, digits, '_', '-', '.'; at most 64)")
+    return method
 
 
 def _spec_cap(req: SamplingRequest) -> int | None:

@@ -21,6 +21,8 @@ import msgspec
 import numpy as np
 
 if TYPE_CHECKING:
+    from engine.cpu_runner import CacheConfig
+    from engine.gguf_loader import GGUFModel
     from engine.spec_config import SpeculativeConfig
 
 API_VERSION = 1
@@ -35,6 +37,16 @@ class DraftRequest:
     num_prompt_tokens: int
     max_draft_tokens: int  # this step's cap, 0..K (per-request cap and load budget already applied)
     temperature: float
+    rng: np.random.Generator | None = None  # the request's own generator (seeded requests), for sampled drafts
+
+
+@dataclass(slots=True)
+class TargetModel:
+    """What a model-based proposer may use of the target: its weights, runner and cache shape."""
+
+    model: GGUFModel  # the opened GGUF (config, tensors, tokenizer metadata)
+    runner: Any  # the engine's runner (packed weights; `hidden_states()` after a forward)
+    cache: CacheConfig
 
 
 @dataclass(slots=True)
@@ -67,6 +79,8 @@ class Proposer:
     option_aliases: ClassVar[Mapping[str, str]] = {}
     # K when the user's config does not say.
     default_num_speculative_tokens: ClassVar[int] = 5
+    # True: the engine hands over the target's final-normed hidden states (`observe_hidden`).
+    uses_hidden_states: ClassVar[bool] = False
 
     def __init__(self, config: SpeculativeConfig, vocab_size: int):
         self.config = config
@@ -105,6 +119,14 @@ class Proposer:
     def options_dict(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         """Validated options as a plain dict with canonical names and defaults filled in."""
         return msgspec.structs.asdict(cls.parse_options(options))
+
+    def bind_target(self, target: TargetModel) -> None:
+        """Called once before serving; model-based proposers load their weights here."""
+
+    def observe_hidden(self, request_id: str, start_position: int, hidden: np.ndarray) -> None:
+        """Target features of positions start_position.. ([n, hidden] float32, a view valid only
+        during the call); they supersede anything the proposer holds for those positions.
+        Called after each forward, before `extend_request`, when `uses_hidden_states`."""
 
     def start_request(self, request_id: str, prompt_token_ids: np.ndarray) -> None:
         """A request entered the running set; `prompt_token_ids` is [num_prompt_tokens] int32."""

@@ -1,0 +1,108 @@
+"""The engine's proposers: the configured one, plus others that requests ask for by name.
+
+A request may choose another installed method (`"speculative": {"method": "suffix"}`); the pool
+builds it on first use with that method's default options and the server's K, binds it to the
+target, and from then on routes each request's events to the proposer it started with. One
+`propose()` call per proposer per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from engine.errors import InvalidRequest
+
+log = logging.getLogger("speculant.engine")
+
+
+class ProposerPool:
+    def __init__(self, default, spec, bind):
+        self.default = default  # the configured proposer (None: no speculation on this server)
+        self.spec = spec
+        self.bind = bind  # bind(proposer): hand it the target (engine_setup.bind_proposer)
+        self.by_method = {spec.method: default} if default is not None else {}
+        self.of_request: dict[str, object] = {}
+
+    def reset(self) -> None:
+        """Fresh proposers of the same configuration (no state carried over); no request may be running."""
+        if self.of_request:
+            raise ValueError("engines: cannot reset the proposers of an engine with running requests")
+        if self.default is not None:
+            self.default = type(self.default)(self.spec, self.default.vocab_size)
+            self.bind(self.default)
+            self.by_method = {self.spec.method: self.default}
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        return any(p.uses_hidden_states for p in self.by_method.values())
+
+    def get(self, method: str | None):
+        """The proposer for a request's method choice (None = the server's)."""
+        if method is None or method == getattr(self.spec, "method", None):
+            return self.default
+        if self.default is None:
+            raise InvalidRequest("speculative.method: this server runs without speculative decoding",
+                                 "speculative.method")
+        proposer = self.by_method.get(method)
+        if proposer is None:
+            proposer = self.by_method[method] = self._build(method)
+        return proposer
+
+    def _build(self, method: str):
+        from proposers.registry import load_proposer_class
+
+        try:
+            cls = load_proposer_class(method)
+            spec = dataclasses.replace(self.spec, method=method, options=cls.options_dict({}))
+            proposer = cls(spec, self.default.vocab_size)
+            self.bind(proposer)
+        except ValueError as exc:
+            raise InvalidRequest(f"speculative.method: {exc}", "speculative.method") from None
+        log.info("built proposer %r for a request that asked for it", method)
+        return proposer
+
+    # ---------------------------------------------------------------- routing
+
+    def start(self, request_id: str, method: str | None, prompt_token_ids) -> None:
+        proposer = self.get(method)
+        if proposer is not None:
+            self.of_request[request_id] = proposer
+            proposer.start_request(request_id, prompt_token_ids)
+
+    def of(self, request_id: str):
+        return self.of_request.get(request_id)
+
+    def extend(self, request_id: str, token_ids) -> None:
+        proposer = self.of_request.get(request_id)
+        if proposer is not None:
+            proposer.extend_request(request_id, token_ids)
+
+    def observe_hidden(self, request_id: str, start: int, hidden_fn) -> None:
+        proposer = self.of_request.get(request_id)
+        if proposer is not None and proposer.uses_hidden_states:
+            proposer.observe_hidden(request_id, start, hidden_fn())
+
+    def stop(self, request_id: str) -> None:
+        proposer = self.of_request.pop(request_id, None)
+        if proposer is not None:
+            proposer.stop_request(request_id)
+
+    def propose(self, asks: list):
+        """Drafts for every ask, one `propose()` per proposer, in the asks' order."""
+        from proposers.base import Drafts
+
+        groups: dict[int, list[int]] = {}
+        for i, ask in enumerate(asks):
+            groups.setdefault(id(self.of_request[ask.request_id]), []).append(i)
+        if len(groups) == 1:
+            return self.of_request[asks[0].request_id].propose(asks)
+        out = Drafts.empty(len(asks))
+        out.probs = [None] * len(asks)
+        for indices in groups.values():
+            proposer = self.of_request[asks[indices[0]].request_id]
+            got = proposer.propose([asks[i] for i in indices])
+            for j, i in enumerate(indices):
+                out.token_ids[i] = got.token_ids[j]
+                out.probs[i] = got.probs[j] if got.probs else None
+        return out

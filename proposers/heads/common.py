@@ -1,0 +1,143 @@
+"""What every learned-head proposer shares: options, the head file, the target's embedding and
+draft LM head, per-request token/feature state, and picking a draft token from draft logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from engine.kernels.linear import pack_gguf_tensor
+from engine.kernels.weights import embed_rows
+from proposers.base import DraftRequest, Drafts, Proposer, TargetModel
+from proposers.draft_sampling import pick_tokens  # noqa: F401  (re-exported for the head proposers)
+from proposers.heads.head_file import HeadFile, load_head
+from proposers.heads.layer import WEIGHT_FORMATS, gather_rows, matmul
+
+SHIPPED = Path(__file__).parent / "data"
+
+
+class HeadOptions(msgspec.Struct, forbid_unknown_fields=True):
+    model: str | None = None  # head .safetensors path; None = the head shipped for the target model
+    weights: str = "q8_0"  # how head matrices are held at run time: q8_0 or f32
+
+
+def find_shipped_head(kind: str, target_name: str, vocab_size: int, hidden_size: int, num_layers: int) -> Path | None:
+    want = {"name": target_name, "vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers}
+    for cfg_path in sorted(SHIPPED.glob("*.json")):
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.get("kind") == kind and all(cfg.get("target", {}).get(k) == v for k, v in want.items()):
+            return cfg_path.with_suffix(".safetensors")
+    return None
+
+
+class RequestState:
+    """A request's tokens and the target features seen so far (positions feat_lo..n_feat-1)."""
+
+    def __init__(self, prompt: np.ndarray, hidden_size: int):
+        self.tokens = np.zeros(max(64, 2 * len(prompt)), np.int32)
+        self.tokens[: len(prompt)] = prompt
+        self.num_tokens = len(prompt)
+        self.feats = np.zeros((len(self.tokens), hidden_size), np.float32)  # [capacity, H]
+        self.feat_lo = -1  # first position with a feature (> 0 after a prefix-cache hit); -1 = none yet
+        self.n_feat = 0
+
+    def _grow(self, size: int) -> None:
+        if size > len(self.tokens):
+            new = max(size, 2 * len(self.tokens))
+            self.tokens = np.resize(self.tokens, new)
+            feats = np.zeros((new, self.feats.shape[1]), np.float32)
+            feats[: len(self.feats)] = self.feats
+            self.feats = feats
+
+    def extend(self, token_ids) -> None:
+        n = len(token_ids)
+        self._grow(self.num_tokens + n)
+        self.tokens[self.num_tokens : self.num_tokens + n] = token_ids
+        self.num_tokens += n
+
+    def observe(self, start: int, hidden: np.ndarray) -> None:
+        self._grow(start + len(hidden))
+        self.feats[start : start + len(hidden)] = hidden
+        if self.feat_lo < 0 or start < self.feat_lo:
+            self.feat_lo = start
+        self.n_feat = max(self.n_feat, start + len(hidden))
+
+
+class HeadProposer(Proposer):
+    """Base of eagle / mtp / medusa: loads the head in `bind_target`, tracks requests."""
+
+    Options = HeadOptions
+    uses_hidden_states = True
+    head_kind = ""  # set by subclasses
+    default_num_speculative_tokens = 3
+
+    def __init__(self, config, vocab_size: int):
+        super().__init__(config, vocab_size)
+        if self.options.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"speculative_config.weights: must be one of {', '.join(WEIGHT_FORMATS)}")
+        self.requests: dict[str, RequestState] = {}
+        self.rng = np.random.default_rng(0)
+        self.head: HeadFile | None = None
+
+    def bind_target(self, target: TargetModel) -> None:
+        cfg = target.model.config
+        path = self.options.model or find_shipped_head(self.head_kind, cfg.name, cfg.vocab_size, cfg.hidden_size,
+                                                       cfg.num_layers)
+        if path is None:
+            raise ValueError(
+                f"speculative_config.model: no {self.head_kind} head ships for {cfg.name!r}; "
+                f"train one with `speculant train-head --kind {self.head_kind}` and pass its path"
+            )
+        self.head = load_head(path, cfg.hidden_size, cfg.vocab_size)
+        if self.head.kind != self.head_kind:
+            raise ValueError(f"speculative_config.model: {path} is a {self.head.kind} head, not {self.head_kind}")
+        self.draft_vocab = self.head.tensors["draft_vocab"]  # [V_d]
+        self.embed = target.model.tensor("token_embd.weight")
+        head_tensor = self.embed if cfg.tied_embeddings else target.model.tensor("output.weight")
+        self.lm_head = pack_gguf_tensor(gather_rows(head_tensor, self.draft_vocab))  # target's rows, own format
+        self.hidden_size = cfg.hidden_size
+        self.load_modules(self.head)
+
+    def load_modules(self, head: HeadFile) -> None:
+        raise NotImplementedError
+
+    def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        out = np.empty((len(token_ids), self.hidden_size), np.float32)  # [n, H]
+        embed_rows(self.embed, np.asarray(token_ids, np.int32), out)
+        return out
+
+    def draft_logits(self, z: np.ndarray) -> np.ndarray:
+        return matmul(z, self.lm_head)  # [R, V_d]
+
+    def start_request(self, request_id, prompt_token_ids) -> None:
+        self.requests[request_id] = RequestState(prompt_token_ids, self.hidden_size)
+
+    def extend_request(self, request_id, accepted_token_ids) -> None:
+        self.requests[request_id].extend(accepted_token_ids)
+
+    def observe_hidden(self, request_id, start_position, hidden) -> None:
+        self.requests[request_id].observe(start_position, hidden)
+
+    def stop_request(self, request_id) -> None:
+        self.requests.pop(request_id, None)
+
+    def ready(self, asks: list[DraftRequest]) -> list[int]:
+        """Indices of the asks whose last token has a feature one position before it."""
+        return [i for i, a in enumerate(asks)
+                if (s := self.requests.get(a.request_id)) is not None and s.n_feat == s.num_tokens - 1]
+
+    def propose(self, requests: list[DraftRequest]) -> Drafts:
+        drafts = Drafts.empty(len(requests))
+        drafts.probs = [None] * len(requests)
+        live = self.ready(requests)
+        if live:
+            for i, (tokens, probs) in zip(live, self.draft([requests[i] for i in live])):
+                drafts.token_ids[i], drafts.probs[i] = tokens, probs
+        return drafts
+
+    def draft(self, asks: list[DraftRequest]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per ask: draft tokens [n] int32 and their q rows [n, vocab] (None when drafted greedily)."""
+        raise NotImplementedError

@@ -1,0 +1,130 @@
+"""EAGLE and MTP heads: modules that autoregress on the target's features (see head_file.py).
+
+Draft step j (1-based) of a request whose last true feature sits at row p* = num_tokens - 2 runs
+module k = min(j - 1, M - 1) at row p* + max(0, j - M). Before that row, the module first catches
+up on the rows it has not computed (its history), so one batched call per step both extends each
+request's head KV with true rows and drafts. Rows whose inputs are all true are kept (`n_kv`);
+speculative rows are recomputed next time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from proposers.base import DraftRequest
+from proposers.heads.common import HeadProposer, pick_tokens
+from proposers.heads.head_file import HeadFile
+from proposers.heads.layer import DecoderLayer, KVStore, matmul, pack_matrix, rms_norm
+
+
+class FeatureModule:
+    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, normed_inputs: bool):
+        self.fc = pack_matrix(w["fc"], fmt)  # [H, 2H]
+        self.layer = DecoderLayer(w, cfg, fmt)
+        self.eps = cfg["rms_eps"]
+        self.norms = (w["emb_norm"], w["feat_norm"], w["out_norm"]) if normed_inputs else None
+
+    def forward(self, emb: np.ndarray, feat: np.ndarray, runs) -> np.ndarray:
+        """emb, feat [n, H] -> z [n, H] (runs as in DecoderLayer.forward)."""
+        if self.norms is not None:
+            emb, feat = rms_norm(emb, self.norms[0], self.eps), rms_norm(feat, self.norms[1], self.eps)
+        return self.layer.forward(matmul(np.concatenate([emb, feat], axis=1), self.fc), runs)
+
+    def head_input(self, z: np.ndarray) -> np.ndarray:
+        return z if self.norms is None else rms_norm(z, self.norms[2], self.eps)
+
+
+class ModuleState:
+    """One request's rows of one module: head KV and outputs z by row; rows < n_kv are true."""
+
+    def __init__(self, cfg: dict, first_row: int, hidden_size: int):
+        self.store = KVStore(cfg["num_kv_heads"], cfg["head_dim"])
+        self.z = np.zeros((256, hidden_size), np.float32)  # [capacity, H]
+        self.n_kv = self.done = first_row
+
+    def put(self, first: int, z: np.ndarray) -> None:
+        if first + len(z) > len(self.z):
+            grown = np.zeros((max(first + len(z), 2 * len(self.z)), self.z.shape[1]), np.float32)
+            grown[: len(self.z)] = self.z
+            self.z = grown
+        self.z[first : first + len(z)] = z
+
+
+class FeatureHeadProposer(HeadProposer):
+    normed_inputs = False
+
+    def load_modules(self, head: HeadFile) -> None:
+        cfg = head.config
+        self.modules = [FeatureModule(head.module(i), cfg, self.options.weights, self.normed_inputs)
+                        for i in range(cfg["num_modules"])]
+        self.module_states: dict[str, list[ModuleState]] = {}
+
+    def stop_request(self, request_id) -> None:
+        super().stop_request(request_id)
+        self.module_states.pop(request_id, None)
+
+    def model_steps(self, ask: DraftRequest) -> int:
+        return ask.max_draft_tokens
+
+    def draft(self, asks: list[DraftRequest]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        states = [self.requests[a.request_id] for a in asks]
+        mods = [self._module_states(a.request_id, s.feat_lo) for a, s in zip(asks, states)]
+        ext = [list(s.tokens[: s.num_tokens]) for s in states]  # tokens, then drafts as they come
+        steps = [self.model_steps(a) for a in asks]
+        probs: list[list] = [[] for _ in asks]
+        M = len(self.modules)
+        for j in range(1, max(steps) + 1):
+            live = [r for r in range(len(asks)) if steps[r] >= j]
+            k = min(j - 1, M - 1)
+            rows = [states[r].n_feat - 1 + max(0, j - M) for r in live]
+            z = self._compute(k, [states[r] for r in live], [mods[r] for r in live], [ext[r] for r in live], rows)
+            logits = self.draft_logits(self.modules[k].head_input(z))  # [live, V_d]
+            tokens, q = pick_tokens(logits, self.draft_vocab, [asks[r] for r in live], self.vocab_size, self.rng)
+            for r, t, qr in zip(live, tokens, q):
+                ext[r].append(int(t))
+                probs[r].append(qr)
+        return [self._finish(s, e, p) for s, e, p in zip(states, ext, probs)]
+
+    @staticmethod
+    def _finish(state, ext: list[int], probs: list) -> tuple[np.ndarray, np.ndarray | None]:
+        tokens = np.asarray(ext[state.num_tokens :], np.int32)
+        return tokens, (None if not probs or probs[0] is None else np.stack(probs))
+
+    def _module_states(self, request_id: str, first_row: int) -> list[ModuleState]:
+        mods = self.module_states.get(request_id)
+        if mods is None:
+            mods = self.module_states[request_id] = [ModuleState(self.head.config, first_row, self.hidden_size)
+                                                     for _ in self.modules]
+        for m in mods:
+            m.done = m.n_kv
+        return mods
+
+    def _compute(self, k: int, states, mods, ext, targets: list[int]) -> np.ndarray:
+        """Run module k over each request's rows done..target; returns z at each target row [R, H]."""
+        embs, feats, runs = [], [], []
+        for s, m, e, target in zip(states, mods, ext, targets):
+            ms = m[k]
+            rows = np.arange(ms.done, target + 1)
+            embs.append(self.embed_tokens(np.asarray(e, np.int32)[rows + 1 + k]))
+            feats.append(self._features(k, s, m, rows))
+            runs.append((ms.store, ms.done, s.feat_lo, len(rows)))
+        z = self.modules[k].forward(np.concatenate(embs), np.concatenate(feats), runs)  # [sum rows, H]
+        out, offset = [], 0
+        for s, m, (_, first, _, n) in zip(states, mods, runs):
+            ms = m[k]
+            ms.put(first, z[offset : offset + n])
+            true_end = min(first + n, s.num_tokens - 1 - k, s.n_feat if k == 0 else m[k - 1].n_kv)
+            ms.n_kv = max(ms.n_kv, true_end)
+            ms.done = first + n
+            out.append(z[offset + n - 1])
+            offset += n
+        return np.stack(out)
+
+    @staticmethod
+    def _features(k: int, state, mods: list[ModuleState], rows: np.ndarray) -> np.ndarray:
+        """Feature of each row: the target's (module 0) or the module below's output at that row;
+        past what those cover, this module's own output at the row before (EAGLE-style)."""
+        have = state.n_feat if k == 0 else mods[k - 1].done
+        below = state.feats if k == 0 else mods[k - 1].z
+        own = mods[k].z
+        return np.stack([below[p] if p < have else own[p - 1] for p in rows])

@@ -1,0 +1,61 @@
+"""`mtp`: DeepSeek-V3-style multi-token-prediction modules, optionally topped up by ngram lookup.
+
+FastDeploy's semantics: `num_model_steps` (<= num_speculative_tokens) tokens come from the MTP
+modules (the last module is reused when there are fewer modules than steps); with
+`"mtp_strategy": "with_ngram"` prompt lookup then appends drafts after them, continuing from the
+context plus the MTP drafts, up to this step's draft cap.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+from proposers.base import DraftRequest
+from proposers.heads.common import HeadOptions
+from proposers.heads.feature_head import FeatureHeadProposer
+from proposers.ngram import NgramProposer
+
+
+class MtpOptions(HeadOptions, forbid_unknown_fields=True):
+    num_model_steps: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None  # default: num_speculative_tokens
+    mtp_strategy: Literal["default", "with_ngram"] = "default"
+
+
+class MtpProposer(FeatureHeadProposer):
+    head_kind = "mtp"
+    normed_inputs = True
+    Options = MtpOptions
+
+    def __init__(self, config, vocab_size: int):
+        super().__init__(config, vocab_size)
+        k = config.num_speculative_tokens
+        steps = self.options.num_model_steps or k
+        if steps > k:
+            raise ValueError(f"speculative_config.num_model_steps: {steps} exceeds num_speculative_tokens ({k})")
+        self.num_model_steps = steps
+        self.ngram = NgramProposer(config.__class__(method="ngram", num_speculative_tokens=k), vocab_size) \
+            if self.options.mtp_strategy == "with_ngram" else None
+
+    def model_steps(self, ask: DraftRequest) -> int:
+        return min(ask.max_draft_tokens, self.num_model_steps)
+
+    def draft(self, asks):
+        out = super().draft(asks)
+        if self.ngram is None:
+            return out
+        more = [DraftRequest(a.request_id, np.concatenate([a.token_ids, t]), a.num_prompt_tokens,
+                             a.max_draft_tokens - len(t), a.temperature) for a, (t, _) in zip(asks, out)]
+        extra = self.ngram.propose(more).token_ids
+        return [self._join(t, q, e) for (t, q), e in zip(out, extra)]
+
+    def _join(self, tokens: np.ndarray, q: np.ndarray | None, extra: np.ndarray):
+        if len(extra) == 0:
+            return tokens, q
+        if q is not None:  # a looked-up token is drafted with certainty: q = one-hot
+            one_hot = np.zeros((len(extra), self.vocab_size), np.float32)
+            one_hot[np.arange(len(extra)), extra] = 1.0
+            q = np.concatenate([q, one_hot])
+        return np.concatenate([tokens, extra.astype(np.int32)]), q
