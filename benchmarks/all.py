@@ -30,11 +30,17 @@ from benchmarks import spec as spec_bench
 from benchmarks.all_report import write_report
 
 SECTIONS = ("model", "spec", "serve")
-# name: (full, --quick)
+# name: (full, --quick, what it sizes)
 SIZES = {
-    "context": (300, 64), "decode_tokens": (64, 8), "repeats": (7, 2),  # model
-    "max_tokens": (96, 8), "per_category": (3, 1), "concurrency": (4, 2),  # spec
-    "levels": ("1,4,16", "1,2"), "requests": (32, 2), "serve_max_tokens": (64, 8),  # serve
+    "context": (300, 64, "model: cached tokens under the verify curve"),
+    "decode_tokens": (64, 8, "model: tokens per decode measurement"),
+    "repeats": (7, 3, "model: forwards per verify-curve point (the median is kept)"),
+    "max_tokens": (96, 8, "spec: output tokens per prompt"),
+    "per_category": (3, 1, "spec and serve: prompts per category"),
+    "concurrency": (4, 2, "spec: requests at once in the concurrent mode"),
+    "levels": ("1,4,16", "1,2", "serve: comma list of concurrent clients"),
+    "requests": (32, 2, "serve: requests per level"),
+    "serve_max_tokens": (64, 8, "serve: output tokens per request"),
 }
 
 
@@ -49,15 +55,16 @@ def parse(argv):
                    help="spec: comma list of proposers (default: every installed model-free one)")
     p.add_argument("--categories", default=None, help="spec: comma list of prompt categories (default: all)")
     p.add_argument("--prompts", default=None, help="spec and serve: JSONL file of your own prompts")
-    for name, (full, quick) in SIZES.items():
+    for name, (full, quick, what) in SIZES.items():
         kind = str if isinstance(full, str) else int
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"default {full}, --quick {quick}")
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                       help=f"{what} (default {full}, --quick {quick})")
     return p.parse_args(argv)
 
 
 def check(args) -> list[str]:
     """Fill the sizes in; bad flags -> ValueError naming the flag. Returns the sections to run."""
-    for name, (full, quick) in SIZES.items():
+    for name, (full, quick, _) in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
         elif not isinstance(full, str) and getattr(args, name) < 1:

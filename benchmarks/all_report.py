@@ -132,7 +132,7 @@ def model_markdown(res: dict, present: set[str]) -> list[str]:
 
 def spec_markdown(result: dict, present: set[str]) -> list[str]:
     """`benchmarks.report`'s spec.md, one heading level down, with its plots."""
-    body = spec_report.format_markdown(result).splitlines()[1:]  # drop "# speculant bench spec"
+    body = spec_report.format_markdown(result).splitlines()[2:]  # drop "# speculant bench spec" and a blank
     lines = ["#" + line if line.startswith("## ") else line for line in body]
     skipped = result["config"].get("skipped_methods") or {}
     lines += [f"- skipped `{label}`: {why}" for label, why in skipped.items()]
@@ -141,9 +141,10 @@ def spec_markdown(result: dict, present: set[str]) -> list[str]:
 
 def serve_markdown(result: dict, present: set[str]) -> list[str]:
     s, m = result["settings"], result["machine"]
-    lines = [f"{s['requests']} streamed chat completions per level, {s['max_tokens']} tokens each (ignore_eos), "
+    setup = (f"{s['requests']} streamed chat completions per level, {s['max_tokens']} tokens each (ignore_eos), "
              f"greedy, speculative config {s['speculative_config'] or 'off'}; load average before "
-             f"{m['load_avg_before'][0]}, after {m['load_avg_after'][0]} on {m['cpus']} CPUs.", ""]
+             f"{m['load_avg_before'][0]}, after {m['load_avg_after'][0]} on {m['cpus']} CPUs.")
+    lines = [setup, ""]
     lines += ["| " + line + " |" for line in serve_bench.format_table(result["levels"]).splitlines()]
     return lines + _images(["serve_concurrency.png"], present)
 
@@ -154,11 +155,11 @@ SECTION_WRITERS = {"model": model_markdown, "spec": spec_markdown, "serve": serv
 
 def format_markdown(result: dict, present: set[str]) -> str:
     cfg = result["config"]
-    lines = ["# speculant bench all", "",
-             f"model `{cfg['model']}`{' (--quick: tiny sizes, the numbers are noise)' if cfg['quick'] else ''}, "
-             f"{cfg['cpu_count']} CPUs, threads {cfg['threads'] or 'all'}, started {cfg['started']}, 1-min load "
-             f"average {cfg['load_avg_1m_before']} before / {cfg.get('load_avg_1m_after', '?')} after. On a shared "
-             "machine the speeds are indicative."]
+    quick = " (--quick: tiny sizes, the numbers are noise)" if cfg["quick"] else ""
+    setup = (f"model `{cfg['model']}`{quick}, {cfg['cpu_count']} CPUs, threads {cfg['threads'] or 'all'}, "
+             f"started {cfg['started']}, 1-min load average {cfg['load_avg_1m_before']} before / "
+             f"{cfg.get('load_avg_1m_after', '?')} after. On a shared machine the speeds are indicative.")
+    lines = ["# speculant bench all", "", setup]
     if not present:
         lines += ["", NO_MATPLOTLIB if _pyplot() is None else "No plots: no section finished."]
     for section in cfg["sections"]:

@@ -100,9 +100,16 @@ def run_speculant(args, prompts: list[BenchPrompt]) -> dict:
         modes.append(mode)
     best = max((m for m in modes if m["speculative"]), key=lambda m: m["decode_tok_s"] or 0)
     best["best"] = True
-    return {"system": "speculant", "status": "ok", "version": metadata.version("speculant"),
+    return {"system": "speculant", "status": "ok", "version": _our_version(),
             "compared_by": "token ids", "same_prompt_ids": len(prompts), "modes": modes,
             "spec_rows": [{k: v for k, v in r.items() if k != "mismatches"} for r in result["rows"]]}
+
+
+def _our_version() -> str:
+    try:
+        return metadata.version("speculant")
+    except metadata.PackageNotFoundError:
+        return "source checkout"
 
 
 # ---------------------------------------------------------------- peers
@@ -119,24 +126,18 @@ def summarize(runs: list[PromptRun]) -> dict:
 
 def run_peer(name: str, opts: PeerOptions, texts: dict[str, str], our_ids: dict[str, list[int]],
              max_tokens: int) -> dict:
-    """One peer on every prompt in both modes (alternating prompt by prompt), after a warm-up."""
+    """One peer's result, or its status when it is not installed or fails (reported, never fatal)."""
     peer = PEERS[name]()
     missing = peer.missing()
     if missing:
         return {"system": name, "status": missing}
     try:
         peer.load(opts)
-    except Exception as exc:  # an installed but broken peer is reported, not fatal
-        print(f"speculant bench peers: {name} failed to load: {exc}", file=sys.stderr)
-        return {"system": name, "status": f"failed to load: {type(exc).__name__}: {exc}"}
-    modes = peer.modes(opts)
-    first_id, first_text = next(iter(texts.items()))
-    for mode in modes:
-        peer.generate(mode, first_id, first_text, min(WARMUP_TOKENS, max_tokens))
-    runs: dict[str, list[PromptRun]] = {mode: [] for mode in modes}
-    for prompt_id, text in _progress(list(texts.items()), name):
-        for mode in modes:
-            runs[mode].append(peer.generate(mode, prompt_id, text, max_tokens))
+        runs = time_peer(peer, peer.modes(opts), texts, max_tokens)
+    except Exception as exc:
+        print(f"speculant bench peers: {name} failed: {exc!r}", file=sys.stderr)
+        return {"system": name, "status": f"failed: {type(exc).__name__}: {exc}"}
+    modes = list(runs)
     plain = {r.prompt_id: r.output for r in runs[modes[0]]}
     out_modes = []
     for mode in modes:
@@ -147,6 +148,18 @@ def run_peer(name: str, opts: PeerOptions, texts: dict[str, str], our_ids: dict[
     return {"system": name, "status": "ok", "version": peer.version, "compared_by": peer.compared_by,
             "same_prompt_ids": sum(peer.prompt_ids(t) == our_ids[pid] for pid, t in texts.items()),
             "modes": out_modes, "outputs": {mode: {r.prompt_id: r.output for r in rs} for mode, rs in runs.items()}}
+
+
+def time_peer(peer, modes: list[str], texts: dict[str, str], max_tokens: int) -> dict[str, list[PromptRun]]:
+    """Every prompt in every mode, the modes alternating prompt by prompt, after one warm-up per mode."""
+    first_id, first_text = next(iter(texts.items()))
+    for mode in modes:
+        peer.generate(mode, first_id, first_text, min(WARMUP_TOKENS, max_tokens))
+    runs: dict[str, list[PromptRun]] = {mode: [] for mode in modes}
+    for prompt_id, text in _progress(list(texts.items()), peer.name):
+        for mode in modes:
+            runs[mode].append(peer.generate(mode, prompt_id, text, max_tokens))
+    return runs
 
 
 def _progress(items, desc: str):

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 HEAD = ["system", "mode", "tok/s", "decode tok/s", "vs Speculant best", "vs Speculant plain", "output = own plain"]
 NOTES = [
-    "Shared machine: other processes compete for the CPUs, so the speeds are indicative; every system ran in "
-    "the same process, one after another, on the same prompts.",
-    "tok/s = output tokens / wall time, prompt processing included; decode tok/s = 1 / mean time per output token "
-    "after the first. The ratios use decode tok/s, because the systems treat a repeated prompt differently "
-    "(Speculant's prefix cache holds every prompt after the warm-up, llama.cpp reuses the previous prompt's common "
-    "prefix, transformers recomputes it).",
-    "output = own plain: prompts whose speculative output equals the same system's plain output (token ids; "
-    "text for llama.cpp, whose completion API returns no ids). Greedy speculation should be lossless; a mismatch "
-    "in a peer comes from its own numerics (batched verification rounds differently from one-token steps).",
+    ("Shared machine: other processes compete for the CPUs, so the speeds are indicative; every system ran in "
+     "the same process, one after another, on the same prompts."),
+    ("tok/s = output tokens / wall time, prompt processing included; decode tok/s = 1 / mean time per output token "
+     "after the first. The ratios use decode tok/s, because the systems treat a repeated prompt differently "
+     "(Speculant's prefix cache holds every prompt after the warm-up, llama.cpp reuses the previous prompt's common "
+     "prefix, transformers recomputes it)."),
+    ("output = own plain: prompts whose speculative output equals the same system's plain output (token ids; "
+     "text for llama.cpp, whose completion API returns no ids). Greedy speculation is lossless only where verifying "
+     "several tokens in one forward computes each row exactly as a one-token step does; otherwise float rounding "
+     "can flip a near-tie."),
 ]
 
 

@@ -88,13 +88,15 @@ class LlamaCppPeer(Peer):
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        common = dict(model_path=str(opts.model_path), n_ctx=opts.max_model_len, n_threads=opts.num_threads,
-                      n_threads_batch=opts.num_threads, seed=0, verbose=False)
+        common = {"model_path": str(opts.model_path), "n_ctx": opts.max_model_len, "n_threads": opts.num_threads,
+                  "n_threads_batch": opts.num_threads, "seed": 0, "verbose": False}
         self.version = llama_cpp.__version__
         plain, lookup = self.modes(opts)
+        # NOTE: with a draft model, llama-cpp-python 0.3.x keeps every row's logits but sizes that buffer
+        # n_batch rows unless logits_all=True is passed: a longer prompt + output overflows it.
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=opts.num_lookup_tokens)
         self.models = {plain: llama_cpp.Llama(**common),
-                       lookup: llama_cpp.Llama(**common, draft_model=LlamaPromptLookupDecoding(
-                           num_pred_tokens=opts.num_lookup_tokens))}
+                       lookup: llama_cpp.Llama(**common, draft_model=draft, logits_all=True)}
 
     def prompt_ids(self, text: str) -> list[int]:
         return next(iter(self.models.values())).tokenize(text.encode("utf-8"), add_bos=True, special=True)
@@ -109,7 +111,8 @@ class LlamaCppPeer(Peer):
             stopping_criteria=StoppingCriteriaList([clock]))
         wall = time.perf_counter() - start
         first = clock.first - start if clock.first is not None else None
-        return PromptRun(prompt_id, out["choices"][0]["text"], clock.count, wall, first)
+        # the clock also counts a sample taken past max_tokens; an end-of-generation token counts, as elsewhere
+        return PromptRun(prompt_id, out["choices"][0]["text"], min(clock.count, max_tokens), wall, first)
 
 
 # ---------------------------------------------------------------- Hugging Face transformers
@@ -143,6 +146,7 @@ class TransformersPeer(Peer):
     def load(self, opts: PeerOptions) -> None:
         import torch
         import transformers
+        from packaging.version import Version
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         transformers.utils.logging.disable_progress_bar()
@@ -150,9 +154,10 @@ class TransformersPeer(Peer):
         path = opts.model_path
         self.version = transformers.__version__
         self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        # fp32 on the CPU: the GGUF's weights are dequantized once at load
+        # fp32 on the CPU: the GGUF's weights are dequantized once at load (`torch_dtype` before 4.56)
+        dtype_key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
         self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          torch_dtype=torch.float32).eval()
+                                                          **{dtype_key: torch.float32}).eval()
         plain, lookup = self.modes(opts)
         self.extra = {plain: {}, lookup: {"prompt_lookup_num_tokens": opts.num_lookup_tokens}}
 

@@ -112,15 +112,16 @@ def build_engine_parts(args) -> EngineParts:
     model = GGUFModel(path)
     tokenizer = Tokenizer.from_gguf(path)
     cache = cache_config(args, model)
+    proposer, max_k, budget = None, 0, 0
+    if spec is not None:  # options are checked before the (slow) weight packing
+        from proposers.registry import load_proposer_class
+
+        proposer = load_proposer_class(spec.method)(spec, model.config.vocab_size)
     runner = make_runner(model, cache, args)
     cache = runner.cache  # a GPU runner sizes num_blocks from free device memory
     blocks = BlockManager(cache.num_blocks, cache.block_size)
     scheduler = Scheduler(blocks, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len)
-    proposer, max_k, budget = None, 0, 0
     if spec is not None:
-        from proposers.registry import load_proposer_class
-
-        proposer = load_proposer_class(spec.method)(spec, model.config.vocab_size)
         bind_proposer(proposer, model, runner, cache)
         max_k = spec.num_speculative_tokens
         budget = spec.max_draft_tokens_per_step
@@ -132,4 +133,4 @@ def build_engine_parts(args) -> EngineParts:
     log.info("model %s: %s, %d KV blocks of %d tokens", name, model.config.name, cache.num_blocks, cache.block_size)
     bind = functools.partial(bind_proposer, model=model, runner=runner, cache=cache)
     return EngineParts(name, cache, tokenizer, runner, scheduler, proposer, spec,
-                       DraftController(max_k, budget, curve, t1), bind)
+                       DraftController(max_k, budget, curve, t1, spec.adaptive if spec else True), bind)

@@ -36,6 +36,9 @@ class SpeculativeConfig:
     options: Mapping[str, Any] = field(default_factory=dict)  # method-specific, canonical names
     max_candidate_len: int = 5  # "topp" verify: accept drafts among the target's top this-many
     verify_top_p: float = 1.0  # "topp" verify: ... and within this much of the target's mass
+    # True: K per request per step from measured acceptance, verify cost and draft cost;
+    # False: always draft the full K (caps and the per-step budget still apply).
+    adaptive: bool = True
 
     def __post_init__(self):
         if not isinstance(self.method, str) or not self.method:
@@ -57,6 +60,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.verify_top_p: {top_p!r} is not a number in (0, 1]")
         if not isinstance(self.options, Mapping):
             raise ValueError("speculative_config.options: must be an object")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive: {self.adaptive!r} is not true or false")
         object.__setattr__(self, "verify_top_p", float(top_p))
         object.__setattr__(self, "options", dict(self.options))  # a private copy
 

@@ -30,7 +30,8 @@ def expected_tokens(first: float, cont: float, k: int) -> float:
 
 
 class DraftController:
-    def __init__(self, max_k: int, step_budget: int, verify_cost: np.ndarray | None = None, t1_seconds: float = 0.0):
+    def __init__(self, max_k: int, step_budget: int, verify_cost: np.ndarray | None = None, t1_seconds: float = 0.0,
+                 adaptive: bool = True):
         self.max_k = max_k
         self.step_budget = step_budget  # 0 = unlimited
         # verify_cost[T] = time of a forward with T tokens / time with 1 token (T = 1..max_k + 1)
@@ -38,6 +39,7 @@ class DraftController:
             verify_cost = np.ones(max_k + 2)
         self.verify_cost = verify_cost
         self.left = step_budget
+        self.adaptive = adaptive
         self.t1_seconds = t1_seconds  # a plain decode forward, the unit of cost
         self.draft_cost = 0.0  # EMA of one draft token's proposer time, in units of t1
 
@@ -60,7 +62,7 @@ class DraftController:
         cap = min(cap, remaining_tokens - 1)
         if cap <= 0:
             return 0
-        k = self.best_k(seq.first_accept_ema, seq.cont_accept_ema, cap)
+        k = self.best_k(seq.first_accept_ema, seq.cont_accept_ema, cap) if self.adaptive else cap
         if k == 0 and seq.steps_without_drafts >= PROBE_EVERY:
             k = 1  # probe now and then, so a request whose acceptance recovers gets drafts again
         if self.step_budget:

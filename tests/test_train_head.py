@@ -4,6 +4,7 @@ semantics in proposers/heads/head_file.py, read back from the exported file."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import gguf
@@ -12,12 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.tokenizer import _byte_decoder  # noqa: E402
-from proposers.heads.head_file import load_head  # noqa: E402
-from proposers.training import cli  # noqa: E402
-from proposers.training.export import export_head, head_config  # noqa: E402
-from proposers.training.modules import DraftHead, HeadShape  # noqa: E402
-from test_gguf_llama import HP, make_weights, to_gguf_order  # noqa: E402
+from test_gguf_llama import HP, make_weights, to_gguf_order
+
+from engine.tokenizer import _byte_decoder
+from proposers.heads.head_file import load_head
+from proposers.training import cli
+from proposers.training.export import export_head, head_config
+from proposers.training.modules import DraftHead, HeadShape
 
 KINDS = {"eagle": [], "mtp": ["--num-modules", "2"], "medusa": ["--num-modules", "3"]}
 MAX_FILE_BYTES = 16 * 10**6
@@ -64,7 +66,8 @@ def trained(tmp_path_factory):
     dataset = root / "data.npz"
     common = ["--model", str(root / "tiny.gguf"), "--out", str(root / "heads"), "--dataset", str(dataset),
               "--num-prompts", "12", "--max-tokens", "16", "--held-out", "0.25", "--epochs", "4", "--lr", "3e-3",
-              "--batch-size", "2", "--seq-len", "64", "--draft-vocab-size", "128", "--eval-drafts", "3", "--threads", "2"]
+              "--batch-size", "2", "--seq-len", "64", "--draft-vocab-size", "128", "--eval-drafts", "3", "--threads", "2",
+              "--temperature", "1.0"]
     runs = {}
     for kind, extra in KINDS.items():
         assert cli.main(["--kind", kind, *common, *extra]) == 0
@@ -90,13 +93,28 @@ def test_train_head_writes_a_loadable_head_and_the_loss_goes_down(trained, kind)
     acceptance = report["acceptance"]
     assert acceptance["num_starts"] > 0 and len(acceptance["per_position"]) == 3
     rates = acceptance["per_position"]
-    assert all(0.0 <= b <= a <= 1.0 for a, b in zip(rates, rates[1:]))  # cumulative: never rises
+    assert all(0.0 <= b <= a <= 1.0 for a, b in itertools.pairwise(rates))  # cumulative: never rises
     assert acceptance["mean_acceptance_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
 
 
 def test_dataset_is_built_once_and_reused(trained):
     _, mtimes = trained
     assert mtimes["eagle"] == mtimes["mtp"] == mtimes["medusa"]
+
+
+def test_prompts_file_takes_prompts_and_conversations(tmp_path):
+    from proposers.training.corpus import builtin_prompts, load_prompts
+
+    path = tmp_path / "p.jsonl"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    path.write_text(json.dumps({"prompt": "Name a prime."}) + "\n\n" + json.dumps({"messages": chat}) + "\n")
+    assert load_prompts(path) == [[{"role": "user", "content": "Name a prime."}], chat]
+    path.write_text('{"text": "no"}\n')
+    with pytest.raises(ValueError, match="prompts: line 1"):
+        load_prompts(path)
+    prompts = [c[0]["content"] for c in builtin_prompts(300, seed=0)]
+    assert len(prompts) == len(set(prompts)) == 300  # distinct
+    assert sum("```" in p for p in prompts) > 0 and sum("JSON" in p for p in prompts) > 0
 
 
 def test_bad_flag_is_reported_by_name(tmp_path, capsys):
@@ -147,7 +165,8 @@ def test_eagle_module_matches_float64_numpy_reference_of_the_exported_file(tmp_p
     vocab, n = 90, 11
     embed, lm_head = rng.standard_normal((vocab, 48)), rng.standard_normal((vocab, 48))
     draft_vocab = np.sort(rng.choice(vocab, 40, replace=False)).astype(np.int32)
-    head = DraftHead(shape, torch.tensor(embed, dtype=torch.float32), torch.tensor(lm_head[draft_vocab], dtype=torch.float32))
+    head = DraftHead(shape, torch.tensor(embed, dtype=torch.float32),
+                     torch.tensor(lm_head[draft_vocab], dtype=torch.float32))
     with torch.no_grad():  # random weights everywhere, rounded to what the float16 file holds
         for p in head.parameters():
             p.copy_((torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0)).half().float())

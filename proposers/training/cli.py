@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--intermediate-size", type=int, default=None, help="eagle/mtp FFN width (default: the target's)")
     g.add_argument("--unroll", type=int, default=2, help="eagle: steps trained on the head's own features")
     g.add_argument("--ce-weight", type=float, default=0.5, help="eagle: cross-entropy weight beside SmoothL1")
+    g.add_argument("--soft", type=float, default=0.5,
+                   help="cross-entropy target: this weight on the target's distribution, the rest on its token")
     g.add_argument("--noise", type=float, default=0.05, help="uniform input-feature noise, relative to the feature RMS")
     g.add_argument("--eval-drafts", type=int, default=5, help="drafts per start in the acceptance simulation")
     g.add_argument("--seed", type=int, default=0)
@@ -75,6 +77,8 @@ def check_args(args) -> None:
         raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.lr <= 0 or args.ce_weight < 0 or args.noise < 0:
         raise ValueError("--lr must be > 0; --ce-weight and --noise must be >= 0")
+    if not 0.0 <= args.soft <= 1.0:
+        raise ValueError(f"--soft must be in [0, 1], got {args.soft}")
 
 
 def target_name(model_arg: str) -> str:
@@ -98,14 +102,17 @@ def prepare(args):
 
     check_args(args)
     model_path = resolve_model(args.model)
-    conversations = corpus.load_prompts(args.prompts) if args.prompts else corpus.builtin_prompts(args.num_prompts, args.seed)
+    if args.prompts:
+        conversations = corpus.load_prompts(args.prompts)
+    else:
+        conversations = corpus.builtin_prompts(args.num_prompts, args.seed)
     return model_path, GGUFModel(model_path), conversations
 
 
 def run(args, model_path: Path, model, conversations: list) -> dict:
     import torch
 
-    from proposers.training import data, evaluate, export, train
+    from proposers.training import data, export, train
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -114,40 +121,47 @@ def run(args, model_path: Path, model, conversations: list) -> dict:
     start = time.perf_counter()
     ds = data.load_or_build(dataset_path, model_path, conversations, data_settings(args, model_path, conversations))
     data_s = time.perf_counter() - start
-
-    vocab_size = model.config.vocab_size
-    draft_vocab = train.choose_draft_vocab(ds, args.draft_vocab_size, vocab_size)
-    draft_index = train.draft_index_of(draft_vocab, vocab_size)
+    draft_vocab = train.choose_draft_vocab(ds, args.draft_vocab_size, model.config.vocab_size)
+    draft_index = train.draft_index_of(draft_vocab, model.config.vocab_size)  # [vocab]
     head = train.build_head(model, args.kind, args.num_modules, args.intermediate_size, draft_vocab, args.seed)
-    feature_rms = float(np.sqrt(np.mean(ds.features[:: max(1, len(ds.features) // 4096)].astype(np.float32) ** 2)))
-    cfg = train.TrainConfig(args.epochs, args.lr, args.batch_size, args.seq_len, args.unroll, args.ce_weight,
-                            args.noise * feature_rms, args.seed)
-    num_drafts = min(args.eval_drafts, args.num_modules) if args.kind == "medusa" else args.eval_drafts
-    held = train.eval_batches(ds, head, cfg, draft_index, num_drafts)
-    loss_before, _ = evaluate.mean_loss(head, held, cfg)
-    fit = train.train(head, ds, cfg, draft_index)
-    loss_after, parts = evaluate.mean_loss(head, held, cfg)
-    accept = evaluate.acceptance(head, held, num_drafts, draft_vocab)
     held_answers = ds.answer_tokens(held_out=True)  # [num_held_out_answer_tokens]
     report = {
         "data": {
-            "prompts": ds.num_seqs, "held_out_prompts": len(ds.split(held_out=True)), "tokens": int(len(ds.token_ids)),
-            "answer_tokens": int(len(ds.answer_tokens(held_out=False)) + len(held_answers)),
+            "prompts": ds.num_seqs, "held_out_prompts": len(ds.split(held_out=True)), "tokens": len(ds.token_ids),
+            "answer_tokens": len(ds.answer_tokens(held_out=False)) + len(held_answers),
             "max_tokens": ds.meta["max_tokens"], "temperature": ds.meta["temperature"],
             "generate_s": ds.meta.get("generate_s"), "capture_s": ds.meta.get("capture_s"), "load_s": round(data_s, 1),
         },
         "draft_vocab_coverage": round(float(np.mean(draft_index[held_answers] >= 0)) if len(held_answers) else 0.0, 4),
-        "config": {k: getattr(args, k) for k in ("lr", "batch_size", "seq_len", "unroll", "ce_weight", "noise", "seed")},
-        **fit,
-        "held_out_loss_before": round(loss_before, 4),
-        "held_out_loss": round(loss_after, 4),
-        "held_out_loss_parts": parts,
-        "acceptance": accept,
+        "config": {k: getattr(args, k) for k in ("lr", "batch_size", "seq_len", "unroll", "ce_weight", "soft", "noise", "seed")},
+        **fit_and_evaluate(args, ds, head, draft_vocab, draft_index),
     }
     config = export.head_config(head, target_name(args.model), model.config, draft_vocab, report)
     path = export.export_head(head, config, draft_vocab, out, name)
     report["file"], report["file_bytes"] = str(path), path.stat().st_size
     return report
+
+
+def fit_and_evaluate(args, ds, head, draft_vocab: np.ndarray, draft_index: np.ndarray) -> dict:
+    """Train; held-out loss before and after; simulated acceptance of greedy chain drafting."""
+    from proposers.training import evaluate, train
+
+    sample = ds.features[:: max(1, len(ds.features) // 4096)].astype(np.float32)
+    feature_rms = float(np.sqrt(np.mean(sample**2)))
+    cfg = train.TrainConfig(args.epochs, args.lr, args.batch_size, args.seq_len, args.unroll, args.ce_weight,
+                            args.noise * feature_rms, args.soft, args.seed)
+    num_drafts = min(args.eval_drafts, args.num_modules) if args.kind == "medusa" else args.eval_drafts
+    held = train.eval_batches(ds, head, cfg, draft_index, num_drafts)
+    loss_before, _ = evaluate.mean_loss(head, held, cfg)
+    fit = train.train(head, ds, cfg, draft_index)
+    loss_after, parts = evaluate.mean_loss(head, held, cfg)
+    return {
+        **fit,
+        "held_out_loss_before": round(loss_before, 4),
+        "held_out_loss": round(loss_after, 4),
+        "held_out_loss_parts": parts,
+        "acceptance": evaluate.acceptance(head, held, num_drafts, draft_vocab),
+    }
 
 
 def main(argv: list[str]) -> int:

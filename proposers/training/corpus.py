@@ -67,23 +67,24 @@ SNIPPET_ASKS = (
     "Add comments to this code:\n```python\n{s}\n```", "Rewrite this function with a clearer name:\n```python\n{s}\n```",
 )
 PARAGRAPHS = (
-    "The town of Brindle opened its first public library in 1892 with 340 books donated by a local miller. "
-    "By 1950 the collection had grown to 12,000 volumes, and in 2004 the library moved into a renovated "
-    "railway station, where it now also offers language classes and a repair cafe.",
-    "Maria Okafor, a marine biologist, spent three years counting sea turtles on the coast of Ghana. Her team "
-    "tagged 215 turtles and found that nesting had dropped by a third since 2010, mostly where beaches were lit at night.",
-    "Our quarterly report shows revenue of 4.2 million dollars, up 8 percent from the previous quarter. Costs "
-    "rose 5 percent, driven by hiring in the support team, and the company now has 57 employees in two offices.",
-    "To repot a houseplant, water it a day before, choose a pot one size larger, loosen the root ball gently, "
-    "add fresh soil around it, and keep the plant out of direct sun for a week while the roots settle.",
-    "The Aurora train leaves Oslo at 07:15 and reaches Bergen at 14:05, crossing the Hardanger plateau at 1,222 "
-    "meters. Tickets cost between 299 and 1,100 kroner, and a dining car serves meals until 13:00.",
-    "Kenji started a small bakery in 2015 with one oven and a borrowed mixer. He now bakes 600 loaves a day, "
-    "employs nine people, and donates unsold bread every evening to a shelter on Elm Street.",
-    "A new study of 1,800 adults found that people who walked at least 7,000 steps a day had a lower risk of "
-    "heart disease. The researchers noted that the benefit leveled off above about 10,000 steps.",
-    "The conference will take place in Lisbon from 12 to 14 June. Talks cover distributed systems, compilers and "
-    "developer tools; registration closes on 30 April, and students pay half the regular price of 400 euros.",
+    ("The town of Brindle opened its first public library in 1892 with 340 books donated by a local miller. "
+     "By 1950 the collection had grown to 12,000 volumes, and in 2004 the library moved into a renovated "
+     "railway station, where it now also offers language classes and a repair cafe."),
+    ("Maria Okafor, a marine biologist, spent three years counting sea turtles on the coast of Ghana. Her team "
+     "tagged 215 turtles and found that nesting had dropped by a third since 2010, mostly where beaches were lit "
+     "at night."),
+    ("Our quarterly report shows revenue of 4.2 million dollars, up 8 percent from the previous quarter. Costs "
+     "rose 5 percent, driven by hiring in the support team, and the company now has 57 employees in two offices."),
+    ("To repot a houseplant, water it a day before, choose a pot one size larger, loosen the root ball gently, "
+     "add fresh soil around it, and keep the plant out of direct sun for a week while the roots settle."),
+    ("The Aurora train leaves Oslo at 07:15 and reaches Bergen at 14:05, crossing the Hardanger plateau at 1,222 "
+     "meters. Tickets cost between 299 and 1,100 kroner, and a dining car serves meals until 13:00."),
+    ("Kenji started a small bakery in 2015 with one oven and a borrowed mixer. He now bakes 600 loaves a day, "
+     "employs nine people, and donates unsold bread every evening to a shelter on Elm Street."),
+    ("A new study of 1,800 adults found that people who walked at least 7,000 steps a day had a lower risk of "
+     "heart disease. The researchers noted that the benefit leveled off above about 10,000 steps."),
+    ("The conference will take place in Lisbon from 12 to 14 June. Talks cover distributed systems, compilers and "
+     "developer tools; registration closes on 30 April, and students pay half the regular price of 400 euros."),
 )
 PARAGRAPH_ASKS = (
     "Summarise the following text in one sentence.\n\n{p}", "List the key facts in this text as bullet points.\n\n{p}",
@@ -108,7 +109,8 @@ def _kinds() -> list[list[str]]:
     writing = [q.format(t=t) for q in WRITING for t in TOPICS]
     code = [q.format(c=c) for q in CODE for c in CODE_TASKS] + [q.format(s=s) for q in SNIPPET_ASKS for s in SNIPPETS]
     extract = [q.format(p=p) for q in PARAGRAPH_ASKS for p in PARAGRAPHS]
-    json_answers = [q.format(t=t) for q in JSON_ASKS for t in TOPICS] + [q.format(p=p) for q in JSON_EXTRACT for p in PARAGRAPHS]
+    json_answers = [q.format(t=t) for q in JSON_ASKS for t in TOPICS]
+    json_answers += [q.format(p=p) for q in JSON_EXTRACT for p in PARAGRAPHS]
     return [chat, explain, writing, code, extract, json_answers]
 
 

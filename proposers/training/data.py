@@ -46,7 +46,8 @@ class Dataset:
 
     def answer_tokens(self, held_out: bool) -> np.ndarray:
         """[num_answer_tokens] the answer tokens of the train (or held-out) sequences."""
-        parts = [self.token_ids[self.cu_seqlens[i] + self.prompt_lens[i]: self.cu_seqlens[i + 1]] for i in self.split(held_out)]
+        cu, starts = self.cu_seqlens, self.cu_seqlens[:-1] + self.prompt_lens
+        parts = [self.token_ids[starts[i]: cu[i + 1]] for i in self.split(held_out)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
     def save(self, path: Path) -> None:
@@ -79,7 +80,8 @@ def make_engine(model_path: Path, max_model_len: int, max_num_seqs: int, threads
     return LLMEngine.from_args(args)
 
 
-def generate_answers(engine, prompt_ids: list[list[int]], max_tokens: int, temperature: float, seed: int) -> list[list[int]]:
+def generate_answers(engine, prompt_ids: list[list[int]], max_tokens: int, temperature: float,
+                     seed: int) -> list[list[int]]:
     """The engine's answer (token ids, a final stop token included) to each prompt."""
     from engine.protocol import Generate, SamplingParams
 

@@ -25,7 +25,7 @@ def head_config(head: DraftHead, target_name: str, model_config, draft_vocab: np
         "rms_eps": s.rms_eps,
         "rope_theta": s.rope_theta,
         "num_modules": s.num_modules,
-        "draft_vocab_size": int(len(draft_vocab)),
+        "draft_vocab_size": len(draft_vocab),
         "target": {
             "name": target_name,
             "vocab_size": model_config.vocab_size,

@@ -81,9 +81,11 @@ class DraftModule(nn.Module):
         if with_norms:
             self.emb_norm, self.feat_norm, self.out_norm = (RMSNorm(h, shape.rms_eps) for _ in range(3))
         self.attn_norm, self.ffn_norm = RMSNorm(h, shape.rms_eps), RMSNorm(h, shape.rms_eps)
-        self.q, self.k, self.v = nn.Linear(h, q_size, bias=False), nn.Linear(h, kv_size, bias=False), nn.Linear(h, kv_size, bias=False)
+        self.q = nn.Linear(h, q_size, bias=False)
+        self.k, self.v = nn.Linear(h, kv_size, bias=False), nn.Linear(h, kv_size, bias=False)
         self.o = nn.Linear(q_size, h, bias=False)
-        self.gate, self.up, self.down = nn.Linear(h, inter, bias=False), nn.Linear(h, inter, bias=False), nn.Linear(inter, h, bias=False)
+        self.gate, self.up = nn.Linear(h, inter, bias=False), nn.Linear(h, inter, bias=False)
+        self.down = nn.Linear(inter, h, bias=False)
         with torch.no_grad():  # start near z = feature: the fc passes the feature through, the layer adds little
             self.fc.weight[:, :h].mul_(0.1)
             self.fc.weight[:, h:].copy_(torch.eye(h))

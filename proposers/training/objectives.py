@@ -60,14 +60,26 @@ def make_batch(data: Dataset, items: list[tuple[int, int, int]], extra: int, dra
     return Batch(t(tokens), t(draft_index[tokens]), t(feats), t(pos), t(is_valid), t(is_answer), rows)
 
 
-def draft_ce(head, z, b: Batch, offset: int, module: int = 0) -> torch.Tensor:
-    """Mean cross-entropy of rows z [B, T, H] against the answer token at p + offset (in the draft vocab)."""
+def draft_ce(head, z, b: Batch, offset: int, module: int = 0, soft: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of the draft logits of rows z [B, T, H] against the token at p + offset:
+    (1 - soft) x the answer token (rows where it is an answer token inside the draft vocab)
+    + soft x the target's own distribution there, softmax(f_{p+offset-1} @ lm_head[draft_vocab].T)."""
     cols = b.at(offset)
     target = b.draft_ids[:, cols]
-    mask = b.is_valid[:, cols] & b.is_answer[:, cols] & (target >= 0)
-    if not mask.any():
+    is_hard = b.is_valid[:, cols] & b.is_answer[:, cols] & (target >= 0)
+    rows = b.is_valid[:, cols] if soft > 0 else is_hard
+    if not rows.any():
         return z.sum() * 0.0
-    return F.cross_entropy(head.logits(z[mask], module), target[mask])
+    logp = F.log_softmax(head.logits(z[rows], module), -1)  # [num_rows, V_d]
+    loss = z.sum() * 0.0
+    hard = is_hard[rows]
+    if soft < 1 and hard.any():
+        loss = loss + (1 - soft) * F.nll_loss(logp[hard], target[rows][hard])
+    if soft > 0:
+        with torch.no_grad():
+            teacher = torch.softmax(b.features[:, b.at(offset - 1)][rows] @ head.lm_head.T, -1)
+        loss = loss + soft * -(teacher * logp).sum(-1).mean()
+    return loss
 
 
 def causal_mask(num_rows: int, shift: int = 0) -> torch.Tensor:
@@ -76,7 +88,7 @@ def causal_mask(num_rows: int, shift: int = 0) -> torch.Tensor:
     return idx[None, :] <= idx[:, None] - shift
 
 
-def eagle_loss(head, b: Batch, unroll: int, ce_weight: float, noise: float) -> tuple[torch.Tensor, dict]:
+def eagle_loss(head, b: Batch, unroll: int, ce_weight: float, noise: float, soft: float) -> tuple[torch.Tensor, dict]:
     """Step j (1..unroll) predicts f_{p+j} (SmoothL1) and x_{p+j+1} (CE) from step j-1's feature
     (step 1: the target's f_p, with uniform noise) and the real token x_{p+j}."""
     T, module = b.num_rows, head.m[0]
@@ -91,13 +103,13 @@ def eagle_loss(head, b: Batch, unroll: int, ce_weight: float, noise: float) -> t
             chain.append(kv)
         valid = b.is_valid[:, b.at(j)]
         reg = F.smooth_l1_loss(z[valid], b.features[:, b.at(j)][valid]) if valid.any() else z.sum() * 0.0
-        ce = draft_ce(head, z, b, j + 1)
+        ce = draft_ce(head, z, b, j + 1, soft=soft)
         total = total + 0.7 ** (j - 1) * (reg + ce_weight * ce)
         parts[f"reg{j}"], parts[f"ce{j}"] = reg.item(), ce.item()
     return total, parts
 
 
-def mtp_loss(head, b: Batch, noise: float) -> tuple[torch.Tensor, dict]:
+def mtp_loss(head, b: Batch, noise: float, soft: float) -> tuple[torch.Tensor, dict]:
     """Module i (teacher-forced token x_{p+1+i}, feature z of module i-1) predicts x_{p+2+i}."""
     T = b.num_rows
     feat = b.features[:, :T]
@@ -106,18 +118,18 @@ def mtp_loss(head, b: Batch, noise: float) -> tuple[torch.Tensor, dict]:
     total, parts = 0.0, {}
     for i, module in enumerate(head.m):
         feat, _ = module(head.embed[b.token_ids[:, b.at(1 + i)]], feat, b.pos[:, :T])
-        ce = draft_ce(head, feat, b, 2 + i, module=i)
+        ce = draft_ce(head, feat, b, 2 + i, module=i, soft=soft)
         total = total + 0.8**i * ce
         parts[f"ce{i + 1}"] = ce.item()
     return total, parts
 
 
-def medusa_loss(head, b: Batch) -> tuple[torch.Tensor, dict]:
+def medusa_loss(head, b: Batch, soft: float) -> tuple[torch.Tensor, dict]:
     """Head i on f_p predicts x_{p+2+i}."""
     f = b.features[:, : b.num_rows]
     total, parts = 0.0, {}
     for i, module in enumerate(head.m):
-        ce = draft_ce(head, module(f), b, 2 + i)
+        ce = draft_ce(head, module(f), b, 2 + i, soft=soft)
         total = total + ce
         parts[f"ce{i + 1}"] = ce.item()
     return total, parts
@@ -131,7 +143,7 @@ def extra_positions(kind: str, num_modules: int, unroll: int) -> int:
 def head_loss(head, b: Batch, cfg, train: bool) -> tuple[torch.Tensor, dict]:
     noise = cfg.noise_abs if train else 0.0
     if head.shape.kind == "eagle":
-        return eagle_loss(head, b, cfg.unroll, cfg.ce_weight, noise)
+        return eagle_loss(head, b, cfg.unroll, cfg.ce_weight, noise, cfg.soft)
     if head.shape.kind == "mtp":
-        return mtp_loss(head, b, noise)
-    return medusa_loss(head, b)
+        return mtp_loss(head, b, noise, cfg.soft)
+    return medusa_loss(head, b, cfg.soft)

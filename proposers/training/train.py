@@ -28,6 +28,7 @@ class TrainConfig:
     unroll: int  # eagle: steps trained on the head's own features
     ce_weight: float  # eagle: weight of the cross-entropy beside the feature regression
     noise_abs: float  # eagle / mtp: uniform input-feature noise, absolute
+    soft: float  # weight of the target's distribution (vs its token) in the cross-entropy
     seed: int
 
 

@@ -1,0 +1,72 @@
+"""Tiny random Llama GGUFs that carry the real SmolLM2 tokenizer, so the whole engine runs on them fast.
+
+The weights are random (seeded); the vocabulary and chat template are copied from the default model,
+so two tiny models share a vocabulary with each other and with the real target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+_TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader, rename: dict[int, str] | None = None) -> int:
+    """Copy the tokenizer metadata (with some tokens renamed, to make a different vocabulary); returns its size."""
+    f = source.fields
+    writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
+    writer.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
+    writer.add_chat_template(f["tokenizer.chat_template"].contents())
+    tokens = list(f["tokenizer.ggml.tokens"].contents())
+    for i, text in (rename or {}).items():
+        tokens[i] = text
+    writer.add_token_list(tokens)
+    writer.add_token_types(f["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    for key in _TOKENIZER_IDS:
+        writer.add_uint32(f"tokenizer.ggml.{key}", int(f[f"tokenizer.ggml.{key}"].contents()))
+    writer.add_bool("tokenizer.ggml.add_bos_token", bool(f["tokenizer.ggml.add_bos_token"].contents()))
+    return len(tokens)
+
+
+def write_tiny_llama(path: Path, tokenizer_source: Path, seed: int = 0, layers: int = 2, hidden: int = 64,
+                     heads: int = 4, kv_heads: int = 2, inter: int = 128, logit_scale: float = 1.0,
+                     rename: dict[int, str] | None = None) -> Path:
+    """A random Llama GGUF (F32 weights, its own output matrix) with the source's tokenizer.
+
+    `logit_scale` sharpens the output distribution (logits are scaled by it), so that a few dozen
+    tokens carry most of the mass: statistical tests then need few samples.
+    """
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    vocab = copy_tokenizer(writer, gguf.GGUFReader(str(tokenizer_source)), rename)
+    writer.add_name(f"tiny-llama-{seed}")
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_context_length(512)
+    writer.add_vocab_size(vocab)
+    hd = hidden // heads
+    shapes = {"attn_q": (heads * hd, hidden), "attn_k": (kv_heads * hd, hidden), "attn_v": (kv_heads * hd, hidden),
+              "attn_output": (hidden, heads * hd), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    writer.add_tensor("token_embd.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.full(hidden, logit_scale, np.float32))
+    writer.add_tensor("output.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for name, shape in shapes.items():
+            writer.add_tensor(f"blk.{i}.{name}.weight", (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
