@@ -178,6 +178,14 @@ class LLMEngine:
         """The configured proposer (None: no speculation)."""
         return self.proposers.default
 
+    def available_methods(self) -> list[str]:
+        """Methods a request may pick: every loadable installed proposer (none without speculation)."""
+        if self.proposer is None:
+            return []
+        from proposers.registry import default_registry
+
+        return sorted(default_registry().names())
+
     def reset_proposers(self) -> None:
         self.proposers.reset()
 

@@ -132,6 +132,7 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     pid: int = 0
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
+    available_methods: list[str] = []  # installed proposers a request may pick (`speculative.method`)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):

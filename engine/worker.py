@@ -179,7 +179,8 @@ class Worker:
         e = self.engine
         return protocol.Ready(worker_id=self.worker_id, model=e.model_name, max_model_len=e.max_model_len,
                               pid=os.getpid(), speculative_method=e.spec_method,
-                              num_speculative_tokens=e.num_speculative_tokens)
+                              num_speculative_tokens=e.num_speculative_tokens,
+                              available_methods=e.available_methods())
 
     def stats(self) -> protocol.WorkerStats:
         stats, base = self.engine.stats(), self.baseline

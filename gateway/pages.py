@@ -81,6 +81,7 @@ def _worker_stats(worker: WorkerInfo) -> dict:
     s = worker.stats
     return {"worker_id": worker.worker_id, "model": worker.model, "pid": worker.pid,
             "speculative_method": worker.speculative_method, "num_speculative_tokens": worker.num_speculative_tokens,
+            "available_methods": worker.available_methods,
             "num_in_flight": len(worker.request_ids), **msgspec.structs.asdict(s)}
 
 

@@ -18,6 +18,7 @@ class WorkerInfo:
     last_seen: float  # monotonic seconds
     speculative_method: str | None = None
     num_speculative_tokens: int = 0
+    available_methods: list[str] = dataclasses.field(default_factory=list)
     stats: protocol.WorkerStats = dataclasses.field(default_factory=protocol.WorkerStats)
     request_ids: set[str] = dataclasses.field(default_factory=set)  # in flight on this worker
 
@@ -37,7 +38,8 @@ class WorkerTable:
         info = WorkerInfo(identity=identity, worker_id=ready.worker_id, model=ready.model,
                           max_model_len=ready.max_model_len, pid=ready.pid, last_seen=now,
                           speculative_method=ready.speculative_method,
-                          num_speculative_tokens=ready.num_speculative_tokens)
+                          num_speculative_tokens=ready.num_speculative_tokens,
+                          available_methods=list(ready.available_methods))
         self.workers[identity] = info
         return info
 

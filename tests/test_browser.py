@@ -208,6 +208,25 @@ def test_playground_speculation_switch_sends_n_max_0(browser, cluster):
 
 
 @needs_browser
+def test_playground_method_choice_lists_proposers_and_streams_with_the_chosen_one(browser, cluster):
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(cluster.url + "/playground")
+    browser.execute_script("localStorage.setItem('speculant-api-key', arguments[0])", API_KEY)
+    browser.refresh()
+    options = wait_for(browser, lambda d: [o.get_attribute("value") for o in d.find_elements(By.CSS_SELECTOR, "#method option")]
+                       if len(d.find_elements(By.CSS_SELECTOR, "#method option")) > 1 else None, "no methods listed")
+    assert {"ngram", "suffix", "eagle"} <= set(options)
+    Select(browser.find_element(By.ID, "method")).select_by_value("suffix")
+    browser.find_element(By.ID, "prompt").send_keys(COPY_PROMPT, Keys.ENTER)
+    stats = wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".answer-stats[data-done='1']"),
+                     "the answer did not finish")[0]
+    assert int(stats.get_attribute("data-drafted")) > 0  # the suffix proposer drafted for this request
+    assert browser.find_element(By.ID, "error").get_attribute("class") == "error hidden"
+    assert browser_errors(browser) == []
+
+
+@needs_browser
 def test_dashboard_numbers_change_after_requests(browser, cluster, shots):
     browser.get(cluster.url + "/dashboard")
     browser.execute_script("localStorage.setItem('speculant-api-key', arguments[0])", API_KEY)

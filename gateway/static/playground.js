@@ -30,8 +30,14 @@ function requestBody() {
     if (value !== null) body[name] = value;
   }
   const nMax = numberField("n-max");
+  const method = $("method").value;
   if (!$("spec-on").checked) body.speculative = { n_max: 0 };
-  else if (nMax !== null) body.speculative = { n_max: nMax };
+  else {
+    const spec = {};
+    if (nMax !== null) spec.n_max = nMax;
+    if (method) spec.method = method;
+    if (Object.keys(spec).length) body.speculative = spec;
+  }
   return body;
 }
 
@@ -214,7 +220,27 @@ async function send() {
   }
 }
 
+// The proposers a request may pick, from the first worker that reports them.
+async function listMethods() {
+  try {
+    const resp = await fetch("/v1/speculant/stats", { headers: authHeaders({}) });
+    if (!resp.ok) return;
+    const stats = await resp.json();
+    const worker = (stats.workers || []).find((w) => (w.available_methods || []).length);
+    if (!worker) return;
+    const select = $("method");
+    select.options[0].textContent = `server default (${worker.speculative_method})`;
+    for (const name of worker.available_methods) {
+      const option = document.createElement("option");
+      option.value = name;
+      option.textContent = name;
+      select.appendChild(option);
+    }
+  } catch (err) { /* the list is a convenience: the default method still works */ }
+}
+
 function init() {
+  listMethods();
   keyField = setupKeyField(async () => { modelId = await showModelName(keyField); });
   showModelName(keyField).then((id) => { modelId = id; });
   $("send").addEventListener("click", send);

@@ -25,12 +25,16 @@ class HeadOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def find_shipped_head(kind: str, target_name: str, vocab_size: int, hidden_size: int, num_layers: int) -> Path | None:
-    want = {"name": target_name, "vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers}
+    """A shipped head of this kind for a target of this shape (same name preferred). A head only
+    changes speed, never output, so a same-shaped sibling model may use it."""
+    shape = {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers}
+    found = []
     for cfg_path in sorted(SHIPPED.glob("*.json")):
         cfg = json.loads(cfg_path.read_text())
-        if cfg.get("kind") == kind and all(cfg.get("target", {}).get(k) == v for k, v in want.items()):
-            return cfg_path.with_suffix(".safetensors")
-    return None
+        target = cfg.get("target", {})
+        if cfg.get("kind") == kind and all(target.get(k) == v for k, v in shape.items()):
+            found.append((target.get("name") != target_name, cfg_path.with_suffix(".safetensors")))
+    return min(found)[1] if found else None
 
 
 class RequestState:
