@@ -243,7 +243,7 @@ NUMBERS = [
     ({"stop": [f"s{i}" for i in range(5000)]}, "stop"), ({"stop": ["x" * 10_000]}, "stop"),
     ({"speculative": "fast"}, "speculative"), ({"speculative": {"n_max": "3"}}, "speculative.n_max"),
     ({"speculative": {"n_max": -1}}, "speculative.n_max"), ({"speculative": {"n_max": 10**20}}, "speculative.n_max"),
-    ({"speculative": {"method": "eagle"}}, "speculative"), ({"speculative": {"n_max": 2, "proposer": "x"}},
+    ({"speculative": {"method": "no such method!"}}, "speculative.method"), ({"speculative": {"n_max": 2, "proposer": "x"}},
                                                             "speculative"),
     ({"speculative.n_max": 1.5}, "speculative.n_max"), ({"speculant": {"provenance": "yes"}}, "speculant.provenance"),
 ]

@@ -22,6 +22,7 @@ PROMPTS = [
     [ChatMessage("user", "What is the boiling point of water?")],
     "Alice met Bob. Alice said hello to Bob. Bob said hello to Alice. Alice met Bob. Alice said",
     [ChatMessage("user", "Write a haiku about the sea.")],
+    "Hello",  # one token: it asks for drafts in its first step, before the target has given any feature
 ]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
@@ -114,7 +115,7 @@ def test_head_sees_the_targets_final_normed_hidden_states(spec_engine, model_pat
         original(request_id, start, hidden)
 
     proposer.observe_hidden = record
-    prompt = engine.tokenizer.encode(PROMPTS[1])
+    prompt = engine.tokenizer.encode("A prompt no other test sends (so no prefix-cache hit): the moon and the tides")
     try:
         out = generate(engine, [prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
     finally:

@@ -129,9 +129,10 @@ class HeadProposer(Proposer):
         self.requests.pop(request_id, None)
 
     def ready(self, asks: list[DraftRequest]) -> list[int]:
-        """Indices of the asks whose last token has a feature one position before it."""
+        """Indices of the asks whose last token has a feature one position before it (a one-token
+        prompt asks for drafts in its very first step, before any feature exists)."""
         return [i for i, a in enumerate(asks)
-                if (s := self.requests.get(a.request_id)) is not None and s.n_feat == s.num_tokens - 1]
+                if (s := self.requests.get(a.request_id)) is not None and 0 < s.n_feat == s.num_tokens - 1]
 
     def propose(self, requests: list[DraftRequest]) -> Drafts:
         drafts = Drafts.empty(len(requests))

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cross-entropy target: this weight on the target's distribution, the rest on its token")
     g.add_argument("--noise", type=float, default=0.05, help="uniform input-feature noise, relative to the feature RMS")
     g.add_argument("--eval-drafts", type=int, default=5, help="drafts per start in the acceptance simulation")
+    g.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="training matmuls (auto: bfloat16 where the CPU has native bf16 dot products)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=0, help="compute threads (0 = all cores)")
     return p
@@ -149,7 +151,8 @@ def fit_and_evaluate(args, ds, head, draft_vocab: np.ndarray, draft_index: np.nd
     sample = ds.features[:: max(1, len(ds.features) // 4096)].astype(np.float32)
     feature_rms = float(np.sqrt(np.mean(sample**2)))
     cfg = train.TrainConfig(args.epochs, args.lr, args.batch_size, args.seq_len, args.unroll, args.ce_weight,
-                            args.noise * feature_rms, args.soft, args.seed)
+                            args.noise * feature_rms, args.soft, args.seed,
+                            bf16=args.precision == "bfloat16" or (args.precision == "auto" and train.bf16_is_fast()))
     num_drafts = min(args.eval_drafts, args.num_modules) if args.kind == "medusa" else args.eval_drafts
     held = train.eval_batches(ds, head, cfg, draft_index, num_drafts)
     loss_before, _ = evaluate.mean_loss(head, held, cfg)

@@ -43,5 +43,6 @@ def export_head(head: DraftHead, config: dict, draft_vocab: np.ndarray, out_dir:
     tensors["draft_vocab"] = draft_vocab.astype(np.int32)
     path = out_dir / f"{name}.safetensors"
     save_file(tensors, str(path), metadata={"format": "speculant-head"})
+    path.chmod(0o644)  # safetensors writes owner-only files
     path.with_suffix(".json").write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -38,6 +38,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()  # float32 statistics under bfloat16 autocast too
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
@@ -141,10 +142,10 @@ class DraftHead(nn.Module):
             self.m = nn.ModuleList(DraftModule(shape, shape.kind == "mtp") for _ in range(shape.num_modules))
 
     def logits(self, z: torch.Tensor, module: int = 0) -> torch.Tensor:
-        """[..., V_d] draft-vocabulary logits of z (mtp: through that module's out_norm)."""
+        """[..., V_d] float32 draft-vocabulary logits of z (mtp: through that module's out_norm)."""
         if self.shape.kind == "mtp":
             z = self.m[module].out_norm(z)
-        return z @ self.lm_head.T
+        return (z @ self.lm_head.T).float()
 
     def file_tensors(self) -> dict[str, torch.Tensor]:
         """The trained weights under their head-file names (`m{i}.name`)."""

@@ -77,7 +77,7 @@ def draft_ce(head, z, b: Batch, offset: int, module: int = 0, soft: float = 0.0)
         loss = loss + (1 - soft) * F.nll_loss(logp[hard], target[rows][hard])
     if soft > 0:
         with torch.no_grad():
-            teacher = torch.softmax(b.features[:, b.at(offset - 1)][rows] @ head.lm_head.T, -1)
+            teacher = torch.softmax((b.features[:, b.at(offset - 1)][rows] @ head.lm_head.T).float(), -1)
         loss = loss + soft * -(teacher * logp).sum(-1).mean()
     return loss
 
@@ -102,7 +102,7 @@ def eagle_loss(head, b: Batch, unroll: int, ce_weight: float, noise: float, soft
             z, kv = module(head.embed[b.token_ids[:, b.at(j)]], z, b.pos[:, :T] + j - 1, (k1, v1, visible), chain)
             chain.append(kv)
         valid = b.is_valid[:, b.at(j)]
-        reg = F.smooth_l1_loss(z[valid], b.features[:, b.at(j)][valid]) if valid.any() else z.sum() * 0.0
+        reg = F.smooth_l1_loss(z[valid].float(), b.features[:, b.at(j)][valid]) if valid.any() else z.sum() * 0.0
         ce = draft_ce(head, z, b, j + 1, soft=soft)
         total = total + 0.7 ** (j - 1) * (reg + ce_weight * ce)
         parts[f"reg{j}"], parts[f"ce{j}"] = reg.item(), ce.item()

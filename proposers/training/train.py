@@ -30,6 +30,12 @@ class TrainConfig:
     noise_abs: float  # eagle / mtp: uniform input-feature noise, absolute
     soft: float  # weight of the target's distribution (vs its token) in the cross-entropy
     seed: int
+    bf16: bool = False  # bfloat16 autocast for the training forward (weights and optimizer stay float32)
+
+
+def bf16_is_fast() -> bool:
+    """Whether this CPU has native bfloat16 dot products (oneDNN uses them under autocast)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def choose_draft_vocab(data: Dataset, size: int, vocab_size: int) -> np.ndarray:
@@ -107,7 +113,8 @@ def train(head: DraftHead, data: Dataset, cfg: TrainConfig, draft_index: np.ndar
     with tqdm(total=num_steps, desc=f"train {head.shape.kind}", unit="step") as bar:
         for _ in range(cfg.epochs):
             for group in batches_of(items, cfg.batch_size, rng):
-                loss, parts = head_loss(head, make_batch(data, group, extra, draft_index), cfg, train=True)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                    loss, parts = head_loss(head, make_batch(data, group, extra, draft_index), cfg, train=True)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -121,6 +128,7 @@ def train(head: DraftHead, data: Dataset, cfg: TrainConfig, draft_index: np.ndar
     return {
         "steps": len(losses),
         "epochs": cfg.epochs,
+        "bf16": cfg.bf16,
         "train_windows": len(items),
         "train_s": round(time.perf_counter() - start, 1),
         "train_loss_first": round(float(np.mean(losses[:tail])), 4),
