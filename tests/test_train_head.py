@@ -182,17 +182,21 @@ def test_eagle_module_matches_float64_numpy_reference_of_the_exported_file(tmp_p
         m = head.m[0]
         z, (k1, v1) = m(head.embed[torch.tensor(tokens[1:])][None], torch.tensor(feats, dtype=torch.float32)[None],
                         torch.tensor(pos)[None])
-        drafts = torch.tensor(rng.integers(0, vocab, n))[None]  # a draft token continuing each start
-        z2, _ = m(head.embed[drafts], z, torch.tensor(pos + 1)[None], (k1, v1, causal_mask(n)))
+        drafts = torch.tensor(rng.integers(0, vocab, (2, n)))  # two draft tokens continuing each start
+        z2, kv2 = m(head.embed[drafts[:1]], z, torch.tensor(pos + 1)[None], (k1, v1, causal_mask(n)))
+        z3, _ = m(head.embed[drafts[1:]], z2, torch.tensor(pos + 2)[None], (k1, v1, causal_mask(n)), [kv2])
         logits = head.logits(z)[0].numpy()
 
     ref = reference_eagle(t, cfg, embed[tokens[1:]], feats, pos)
     assert np.abs(z[0].numpy() - ref).max() < 1e-4 * np.abs(ref).max()
     ref_logits = ref @ lm_head[loaded.tensors["draft_vocab"]].T
     assert np.abs(logits - ref_logits).max() < 1e-4 * np.abs(ref_logits).max()
-    for p in (0, 4, n - 1):  # draft step 2 of start p: rows 0..p teacher-forced, then the draft row at p+1
+    for p in (0, 4, n - 1):  # drafting from start p: rows 0..p teacher-forced, then draft rows at p+1, p+2
         emb2 = np.concatenate([embed[tokens[1: p + 2]], embed[drafts[0, p].item()][None]])
         feat2 = np.concatenate([feats[: p + 1], ref[p][None]])
         ref2 = reference_eagle(t, cfg, emb2, feat2, np.arange(p + 2))[-1]
         assert np.abs(z2[0, p].numpy() - ref2).max() < 1e-4 * np.abs(ref2).max()
+        emb3 = np.concatenate([emb2, embed[drafts[1, p].item()][None]])
+        ref3 = reference_eagle(t, cfg, emb3, np.concatenate([feat2, ref2[None]]), np.arange(p + 3))[-1]
+        assert np.abs(z3[0, p].numpy() - ref3).max() < 1e-4 * np.abs(ref3).max()
     assert json.loads(path.with_suffix(".json").read_text())["kind"] == "eagle"
