@@ -102,7 +102,8 @@ def test_rows_are_bit_identical_whatever_the_batch(packed, name):
 
 @pytest.mark.parametrize("name", ["q4_1", "q8_0", "f32"])
 def test_pair_and_tile_kernels_agree_bit_for_bit(packed, name):
-    """linear() picks pair kernels below TILE_MIN_TOKENS and 4-token tiles above; both must agree."""
+    """linear() picks the small kernels (groups of 4 or 3 tokens, pairs, singles) below
+    TILE_MIN_TOKENS and the 4-token tiles from there; both must agree at every T either side."""
     w, _ = packed[name]
     x = np.random.default_rng(3).standard_normal((9, w.k)).astype(np.float32)
     small = {
@@ -120,7 +121,7 @@ def test_pair_and_tile_kernels_agree_bit_for_bit(packed, name):
         else:
             getattr(linear_quant, f"{name}_linear_scratch")(x[:num_tokens], *w.arrays, b, scratch)
         np.testing.assert_array_equal(a, b, err_msg=f"T={num_tokens}")
-    assert TILE_MIN_TOKENS <= 9
+    assert TILE_MIN_TOKENS[name] <= 9
 
 
 def test_thread_count_does_not_change_results(packed):

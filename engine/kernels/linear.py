@@ -18,7 +18,10 @@ from engine.kernels import linear_jit, linear_quant
 
 STRIP = 16  # output rows per strip
 QK = 32  # weights per GGUF Q4_1 / Q8_0 block
-TILE_MIN_TOKENS = 3  # from here 4-token tiles (quants decoded once per strip) beat pairs
+# From these token counts the 4-token tiles beat the small kernels: for f32 from 3 (pairs re-read
+# the strip); for quants from 7, where decoding each strip once into scratch beats decoding it in
+# registers once per group of 4 (measured with `speculant bench model` on the 2-core dev machine).
+TILE_MIN_TOKENS = {"f32": 3, "q4_1": 7, "q8_0": 7}
 
 _Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -163,7 +166,7 @@ def linear(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> None:
     _check(x, w, out)
     if x.shape[0] == 0:
         return
-    if x.shape[0] < TILE_MIN_TOKENS:
+    if x.shape[0] < TILE_MIN_TOKENS[w.kind]:
         _SMALL[w.kind](x, *w.arrays, out)
     elif w.kind == "f32":
         linear_jit.f32_linear_tiles(x, w.arrays[0], out)

@@ -24,6 +24,7 @@ from numba import njit, prange
 U0 = np.uint64(0)
 U1 = np.uint64(1)
 U2 = np.uint64(2)
+U3 = np.uint64(3)
 U4 = np.uint64(4)
 U16 = np.uint64(16)
 U32 = np.uint64(32)
