@@ -42,6 +42,7 @@ class Sequence:
         self.first_accept_ema = 0.5
         self.cont_accept_ema = 0.8
         self.steps_without_drafts = 0
+        self.probe_interval = 0  # steps between probes while drafting does not pay (0: not backing off yet)
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,6 +12,11 @@ Three limits, smallest wins:
   that maximises E[tokens] / (cost(k+1) + k * d), where d is the proposer's measured time per
   draft token relative to a plain decode (about 0 for lookups, a real share for a draft model or
   head); at low acceptance that is k = 0, plain decoding.
+
+While k = 0 a request probes with one draft token every PROBE_EVERY steps, so it notices when
+acceptance recovers. A probe that does not bring drafting back doubles the wait before the
+next one (up to PROBE_MAX steps): on text a proposer cannot predict, probing then costs a
+fraction of a percent instead of a verify of two tokens every few steps.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 PROBE_EVERY = 8  # steps
+PROBE_MAX = 128  # steps
 
 
 def expected_tokens(first: float, cont: float, k: int) -> float:
@@ -63,8 +69,11 @@ class DraftController:
         if cap <= 0:
             return 0
         k = self.best_k(seq.first_accept_ema, seq.cont_accept_ema, cap) if self.adaptive else cap
-        if k == 0 and seq.steps_without_drafts >= PROBE_EVERY:
+        if k > 0:
+            seq.probe_interval = 0
+        elif seq.steps_without_drafts >= (seq.probe_interval or PROBE_EVERY):
             k = 1  # probe now and then, so a request whose acceptance recovers gets drafts again
+            seq.probe_interval = min(2 * (seq.probe_interval or PROBE_EVERY), PROBE_MAX)
         if self.step_budget:
             k = min(k, self.left)
             self.left -= k
