@@ -119,9 +119,38 @@ def targets(result: dict) -> list[dict]:
                 out.append(_target(f"suffix >= ngram on {cat} ({mode})", (s["tok_s"] or 0) >= (n["tok_s"] or 0),
                                    f"suffix {_f(s['tok_s'], '{:.1f}')} vs ngram {_f(n['tok_s'], '{:.1f}')} tok/s "
                                    f"(AL {_f(s['al'])} vs {_f(n['al'])})"))
+    out += _learned_targets(result, [r for r in spec_rows if r["mode"] == "batch1"])
     lossless = all(r["identical"] for r in rows)
     out.append(_target("greedy outputs identical to the baseline", lossless,
                        "all rows" if lossless else "see the identical column"))
+    return out
+
+
+def _learned_targets(result: dict, rows: list[dict]) -> list[dict]:
+    """Issue targets for learned heads at batch 1: eagle/mtp on open chat, and the MTP + lookup hybrid."""
+    cfg = result["methods"]
+
+    def strategy(label):
+        return cfg[label].get("options", {}).get("mtp_strategy", "default")
+
+    heads = [r for r in rows if cfg[r["method"]]["method"] in ("eagle", "mtp") and strategy(r["method"]) == "default"]
+    out = []
+    chat = [r for r in heads if r["category"] == "open_chat"]
+    if chat:
+        by_al, by_speed = max(chat, key=lambda r: r["al"] or 0), max(chat, key=lambda r: r["speedup"] or 0)
+        out.append(_target("eagle or mtp: acceptance length >= 2.0 on open_chat", (by_al["al"] or 0) >= 2.0,
+                           f"best: {by_al['method']} AL {_f(by_al['al'])}"))
+        out.append(_target("eagle or mtp: >= 1.5x on open_chat", (by_speed["speedup"] or 0) >= 1.5,
+                           f"best: {by_speed['method']} {_f(by_speed['speedup'])}x"))
+    parts = heads + [r for r in rows if cfg[r["method"]]["method"] == "ngram"]
+    for hybrid in (r for r in rows if cfg[r["method"]]["method"] == "mtp" and strategy(r["method"]) != "default"):
+        rivals = [r for r in parts if r["category"] == hybrid["category"]]
+        kinds = {cfg[r["method"]]["method"] for r in rivals}
+        if {"mtp", "ngram"} <= kinds:
+            best = max(rivals, key=lambda r: r["tok_s"] or 0)
+            out.append(_target(f"{hybrid['method']} >= its parts on {hybrid['category']} (3% noise allowed)",
+                               (hybrid["tok_s"] or 0) >= 0.97 * (best["tok_s"] or 0),  # 3%: timing noise
+                               f"{_f(hybrid['tok_s'], '{:.1f}')} vs {best['method']} {_f(best['tok_s'], '{:.1f}')} tok/s"))
     return out
 
 

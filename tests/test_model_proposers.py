@@ -71,6 +71,8 @@ def spec_configs(heads, draft_file):
         "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": heads["eagle"]},
         "mtp_with_ngram": {"method": "mtp", "num_speculative_tokens": 4, "num_model_steps": 2,
                            "mtp_strategy": "with_ngram", "model": heads["mtp"]},
+        "mtp_ngram_first": {"method": "mtp", "num_speculative_tokens": 4, "num_model_steps": 2,
+                            "mtp_strategy": "ngram_first", "model": heads["mtp"]},
         "medusa": {"method": "medusa", "num_speculative_tokens": 3, "model": heads["medusa"]},
     }
 
@@ -91,7 +93,8 @@ def spec_engine(heads, make_engine, model_path, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["draft_model_layers", "draft_model_file", "eagle", "mtp_with_ngram", "medusa"])
+@pytest.mark.parametrize("name", ["draft_model_layers", "draft_model_file", "eagle", "mtp_with_ngram", "mtp_ngram_first",
+                                  "medusa"])
 def test_greedy_identical_alone_and_concurrent(name, spec_engine, reference):
     engine = spec_engine(name)
     alone = [generate(engine, [p], GREEDY)[0] for p in PROMPTS]
@@ -137,7 +140,7 @@ def test_head_sees_the_targets_final_normed_hidden_states(spec_engine, model_pat
     ({"method": "draft_model"}, "speculative_config.model"),
     ({"method": "draft_model", "draft_layers": 0}, "speculative_config.draft_layers"),
     ({"method": "mtp", "num_speculative_tokens": 2, "num_model_steps": 3}, "speculative_config.num_model_steps"),
-    ({"method": "mtp", "mtp_strategy": "ngram_first"}, "speculative_config.mtp_strategy"),
+    ({"method": "mtp", "mtp_strategy": "ngram_only"}, "speculative_config.mtp_strategy"),
     ({"method": "eagle", "weights": "int3"}, "speculative_config.weights"),
     ({"method": "medusa", "heads": 4}, "speculative_config.heads"),
 ])

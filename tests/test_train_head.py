@@ -1,68 +1,35 @@
-"""`speculant train-head` end to end on a tiny random Llama GGUF (with a byte-level tokenizer in its
-metadata), and the torch EAGLE head checked against an independent float64 NumPy evaluation of the
-semantics in proposers/heads/head_file.py, read back from the exported file."""
+"""`speculant train-head` end to end on a tiny random Llama GGUF (carrying the default model's tokenizer),
+the served-walk acceptance on hand-made drafts, and the torch EAGLE head checked against an independent
+float64 NumPy evaluation of the semantics in proposers/heads/head_file.py, read back from the exported file."""
 
 from __future__ import annotations
 
 import itertools
 import json
 
-import gguf
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_gguf_llama import HP, make_weights, to_gguf_order
+from tiny_models import write_tiny_llama
 
-from engine.tokenizer import _byte_decoder
+from engine.gguf_loader import GGUFModel
 from proposers.heads.head_file import load_head
 from proposers.training import cli
 from proposers.training.export import export_head, head_config
 from proposers.training.modules import DraftHead, HeadShape
 
+HIDDEN = 64
 KINDS = {"eagle": [], "mtp": ["--num-modules", "2"], "medusa": ["--num-modules", "3"]}
 MAX_FILE_BYTES = 16 * 10**6
 
 
-def write_tiny_chat_model(path) -> None:
-    """A random 2-layer Llama whose GGUF carries a byte-level BPE vocabulary of exactly HP['vocab'] tokens."""
-    specials = ["<|im_start|>", "<|im_end|>"]
-    byte_chars = sorted(_byte_decoder(), key=_byte_decoder().get)
-    tokens = specials + byte_chars + [f"<x{i}>" for i in range(HP["vocab"] - len(specials) - len(byte_chars))]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(HP["layers"])
-    writer.add_embedding_length(HP["hidden"])
-    writer.add_feed_forward_length(HP["inter"])
-    writer.add_head_count(HP["heads"])
-    writer.add_head_count_kv(HP["kv_heads"])
-    writer.add_rope_freq_base(HP["theta"])
-    writer.add_layer_norm_rms_eps(HP["eps"])
-    writer.add_context_length(512)
-    writer.add_vocab_size(HP["vocab"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    for name, w in make_weights(np.random.default_rng(0)).items():
-        if name.endswith("attn_q.weight"):
-            w = to_gguf_order(w, HP["heads"])
-        elif name.endswith("attn_k.weight"):
-            w = to_gguf_order(w, HP["kv_heads"])
-        writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, model_path):
     """Train every kind once on the tiny model (the first run builds the dataset, the others reuse it)."""
     root = tmp_path_factory.mktemp("train_head")
-    write_tiny_chat_model(root / "tiny.gguf")
+    write_tiny_llama(root / "tiny.gguf", model_path, hidden=HIDDEN)
     dataset = root / "data.npz"
     common = ["--model", str(root / "tiny.gguf"), "--out", str(root / "heads"), "--dataset", str(dataset),
               "--num-prompts", "12", "--max-tokens", "16", "--held-out", "0.25", "--epochs", "4", "--lr", "3e-3",
@@ -81,7 +48,7 @@ def test_train_head_writes_a_loadable_head_and_the_loss_goes_down(trained, kind)
     path = root / "heads" / f"tiny-{kind}.safetensors"
     assert path.is_file() and path.with_suffix(".json").is_file()
     assert path.stat().st_size <= MAX_FILE_BYTES
-    head = load_head(path, hidden_size=HP["hidden"], vocab_size=HP["vocab"])
+    head = load_head(path, hidden_size=HIDDEN, vocab_size=GGUFModel(root / "tiny.gguf").config.vocab_size)
     assert head.kind == kind
     assert head.config["num_modules"] == {"eagle": 1, "mtp": 2, "medusa": 3}[kind]
     assert head.tensors["draft_vocab"].shape == (128,)
@@ -91,10 +58,50 @@ def test_train_head_writes_a_loadable_head_and_the_loss_goes_down(trained, kind)
     assert report["train_loss_last"] < report["train_loss_first"]
     assert report["held_out_loss"] < report["held_out_loss_before"]
     acceptance = report["acceptance"]
-    assert acceptance["num_starts"] > 0 and len(acceptance["per_position"]) == 3
-    rates = acceptance["per_position"]
-    assert all(0.0 <= b <= a <= 1.0 for a, b in itertools.pairwise(rates))  # cumulative: never rises
-    assert acceptance["mean_acceptance_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
+    assert acceptance["num_drafts"] == 3
+    walk, every = acceptance["served_walk"], acceptance["all_starts"]
+    assert 0 < walk["num_steps"] <= every["num_starts"]  # the walk visits a subset of the starts
+    for part in (walk, every):
+        rates = part["per_position"]
+        assert len(rates) == 3
+        assert all(0.0 <= b <= a <= 1.0 for a, b in itertools.pairwise(rates))  # cumulative: never rises
+        assert part["mean_acceptance_length"] == pytest.approx(1 + sum(rates), abs=1e-3)
+
+
+def test_served_walk_visits_the_starts_serving_reaches():
+    """Two windows with hand-made drafts (K = 2; drafts[p] guesses x_{p+2}, x_{p+3}):
+    window 0: a 12-token sequence, prompt x_0..x_2, so the starts are rows 2..8 (x_{p+1} an answer
+    token, x_{p+3} inside the sequence); window 1: 7 answer rows continuing a sequence, starts 0..3."""
+    from proposers.training.evaluate import acceptance_of_drafts
+    from proposers.training.objectives import Batch
+
+    K, T, L = 2, 12, 15  # rows, rows + extra positions
+    tokens = torch.zeros(2, L, dtype=torch.int64)
+    tokens[0, :12], tokens[1, :7] = torch.arange(100, 112), torch.arange(200, 207)
+    is_valid = torch.zeros(2, L, dtype=torch.bool)
+    is_valid[0, :12], is_valid[1, :7] = True, True
+    is_answer = is_valid.clone()
+    is_answer[0, :3] = False
+    pos = torch.arange(L).repeat(2, 1) + torch.tensor([[0], [40]])
+    b = Batch(tokens, tokens, torch.zeros(2, L, 4), pos, is_valid, is_answer, T)
+
+    # leading drafts to get right at each row; rows that are not starts (window 0: prompt rows 0-1 and
+    # rows 9-11; window 1: rows 4-11) keep both drafts right (beyond the sequence, right = padding 0)
+    accepted = [[2, 2, 2, 2, 2, 0, 1, 2, 2, 2, 2, 2], [1, 0, 2, 0, 2, 2, 2, 2, 2, 2, 2, 2]]
+    drafts = torch.stack([tokens[:, 2:2 + T], tokens[:, 3:3 + T]], -1)  # [2, T, K]: every draft right
+    for w, row in enumerate(accepted):
+        for p, a in enumerate(row):
+            drafts[w, p, a:] = 9  # not a token of either window
+    drafts[0, 5, 1] = tokens[0, 5 + 3]  # right after a wrong first draft: must not count
+    got = acceptance_of_drafts([drafts], [b], K)
+
+    # window 0 walk: p=2 accepts 2 -> p=5 accepts 0 -> p=6 accepts 1 -> p=8 accepts 2 -> p=11, not a start;
+    # window 1 walk: p=0 accepts 1 -> p=2 accepts 2 -> p=5, not a start. Steps: 2, 0, 1, 2, 1, 2
+    assert got["served_walk"] == {"num_steps": 6, "per_position": [round(5 / 6, 4), 0.5],
+                                  "mean_acceptance_length": round(1 + 8 / 6, 4)}
+    # all starts: 2, 2, 2, 0, 1, 2, 2 (rows 2..8) and 1, 0, 2, 0 (rows 0..3): 11 starts, 8 with >= 1, 6 with 2
+    assert got["all_starts"] == {"num_starts": 11, "per_position": [round(8 / 11, 4), round(6 / 11, 4)],
+                                 "mean_acceptance_length": round(1 + 14 / 11, 4)}
 
 
 def test_dataset_is_built_once_and_reused(trained):

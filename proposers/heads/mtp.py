@@ -4,6 +4,12 @@ FastDeploy's semantics: `num_model_steps` (<= num_speculative_tokens) tokens com
 modules (the last module is reused when there are fewer modules than steps); with
 `"mtp_strategy": "with_ngram"` prompt lookup then appends drafts after them, continuing from the
 context plus the MTP drafts, up to this step's draft cap.
+
+`"mtp_strategy": "ngram_first"` turns the order round per request and step: where prompt lookup
+finds a continuation (the output is copying its context, as in code edits), its drafts are used;
+elsewhere the MTP modules draft (topped up by lookup, as with `with_ngram`). Lookup matches are
+accepted far more often than a head's guesses on copied text, so the hybrid keeps the better of
+its parts on both kinds of prompt.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from proposers.ngram import NgramProposer
 
 class MtpOptions(HeadOptions, forbid_unknown_fields=True):
     num_model_steps: Annotated[int, msgspec.Meta(ge=1, le=16)] | None = None  # default: num_speculative_tokens
-    mtp_strategy: Literal["default", "with_ngram"] = "default"
+    mtp_strategy: Literal["default", "with_ngram", "ngram_first"] = "default"
 
 
 class MtpProposer(FeatureHeadProposer):
@@ -37,12 +43,22 @@ class MtpProposer(FeatureHeadProposer):
             raise ValueError(f"speculative_config.num_model_steps: {steps} exceeds num_speculative_tokens ({k})")
         self.num_model_steps = steps
         self.ngram = NgramProposer(config.__class__(method="ngram", num_speculative_tokens=k), vocab_size) \
-            if self.options.mtp_strategy == "with_ngram" else None
+            if self.options.mtp_strategy != "default" else None
 
     def model_steps(self, ask: DraftRequest) -> int:
         return min(ask.max_draft_tokens, self.num_model_steps)
 
     def draft(self, asks):
+        if self.options.mtp_strategy != "ngram_first":
+            return self._model_then_lookup(asks)
+        looked = self.ngram.propose(asks).token_ids
+        from_model = iter(self._model_then_lookup([a for a, e in zip(asks, looked) if len(e) == 0]))
+        # A looked-up draft is certain (q = None means one-hot, as for the ngram proposer itself).
+        return [(e.astype(np.int32), None) if len(e) else next(from_model) for e in looked]
+
+    def _model_then_lookup(self, asks):
+        if not asks:
+            return []
         out = super().draft(asks)
         if self.ngram is None:
             return out

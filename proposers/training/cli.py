@@ -4,7 +4,8 @@
 
 1. prompts (built-in corpus or --prompts FILE.jsonl) -> the target's own answers (the engine, in-process);
 2. the target's final-normed hidden state at every position (cached in an .npz: the three kinds share it);
-3. train the head (torch, CPU) on the training split; 4. report held-out loss and simulated acceptance;
+3. train the head (torch, CPU) on the training split; 4. report held-out loss and simulated acceptance
+   (headline: along the greedy serving walk; beside it: over all answer starts);
 5. write NAME.safetensors + NAME.json (see proposers/heads/head_file.py).
 """
 
@@ -176,11 +177,12 @@ def main(argv: list[str]) -> int:
         sys.stderr.write(f"speculant train-head: {exc}\n")
         return 2
     report = run(args, *prepared)
-    acc = report["acceptance"]
+    walk, every = report["acceptance"]["served_walk"], report["acceptance"]["all_starts"]
     sys.stdout.write(json.dumps(report, indent=2) + "\n")
     sys.stdout.write(
         f"{args.kind}: {report['steps']} steps in {report['train_s']} s; held-out loss {report['held_out_loss_before']}"
-        f" -> {report['held_out_loss']}; mean acceptance length {acc['mean_acceptance_length']} over "
-        f"{acc['num_starts']} starts (per position {acc['per_position']}); wrote {report['file']}\n"
+        f" -> {report['held_out_loss']}; served-walk acceptance length {walk['mean_acceptance_length']} over "
+        f"{walk['num_steps']} steps (per position {walk['per_position']}); all starts: "
+        f"{every['mean_acceptance_length']} over {every['num_starts']}; wrote {report['file']}\n"
     )
     return 0

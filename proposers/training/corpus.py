@@ -20,6 +20,19 @@ TOPICS = (
     "public-key encryption", "time zones", "meditation", "marathon training", "glaciers", "the immune system",
     "prime numbers", "hash tables", "GPS", "3D printing", "wind turbines", "origami", "composting",
     "the Olympic Games", "volunteering", "learning a second language", "houseplants", "the speed of light",
+    "saving money", "job interviews", "public speaking", "time management", "healthy breakfasts", "camping",
+    "remote work", "learning to code", "photography", "gardening in small spaces", "running a small business",
+    "writing a novel", "dinosaurs", "the solar system", "ancient Egypt", "the Renaissance", "World War I",
+    "the Industrial Revolution", "the Silk Road", "quantum computers", "artificial intelligence", "smartphones",
+    "social media", "video games", "cybersecurity", "open-source software", "cloud computing", "batteries",
+    "nuclear energy", "rain forests", "deserts", "coral reefs", "migrating birds", "octopuses", "elephants",
+    "the human brain", "nutrition", "vitamins", "stress", "exercise", "first aid", "allergies", "the common cold",
+    "music theory", "learning the guitar", "painting with watercolors", "classical music", "movies", "poetry",
+    "board games", "football", "tennis", "yoga", "hiking", "travelling on a budget", "packing for a trip",
+    "cooking pasta", "making soup", "fermentation", "chocolate", "spices", "tea ceremonies", "city planning",
+    "public transport", "architecture", "bridges", "skyscrapers", "plastic pollution", "electric grids",
+    "inflation", "taxes", "personal budgets", "credit cards", "negotiation", "friendship", "parenting",
+    "pets", "training a puppy", "keeping fish", "reading habits", "libraries", "museums", "languages of the world",
 )
 
 PAIRS = (
@@ -33,6 +46,9 @@ CHAT = (
     "What is {t}?", "Why does {t} matter?", "Give me three interesting facts about {t}.",
     "How would you explain {t} to a ten-year-old?", "What are common misconceptions about {t}?",
     "What should a beginner know about {t}?", "Tell me something surprising about {t}.",
+    "I want to learn more about {t}. Where should I start?", "What are some good tips related to {t}?",
+    "Can you give me a simple overview of {t}?", "What questions do people often ask about {t}, and what are the answers?",
+    "Explain in simple words why {t} is important in everyday life.",
 )
 EXPLAIN = (
     "Explain how {t} works.", "Describe {t} in a short paragraph.", "What are the pros and cons of {t}?",

@@ -7,6 +7,12 @@ greedy answers these are the target's greedy continuation. The per-position rate
 fraction of starts whose first k drafts were all accepted (vLLM's per-position acceptance);
 mean acceptance length = 1 + their sum (the target's own token counts as one).
 
+Two ways to choose the starts:
+  served walk (the headline): the starts greedy serving reaches. A step at p that accepts a drafts
+    ends with the target emitting x_{p+a+2}, so the next step starts at p + a + 1, mostly right
+    after a rejected draft, where prediction is harder than on average;
+  all starts: every answer position (more starts, less noise, but optimistic).
+
 What a draft row may attend to (the rows whose inputs are known at drafting time):
   eagle: teacher-forced rows <= p, then its own earlier draft rows (positions p+1, p+2, ...);
   mtp:   module i's teacher-forced rows <= p - i (they need x_{q+1+i}), and itself, at position p;
@@ -57,24 +63,52 @@ def draft_tokens(head, b: Batch, num_drafts: int, draft_vocab: torch.Tensor) -> 
 
 @torch.no_grad()
 def acceptance(head, batches: list[Batch], num_drafts: int, draft_vocab: np.ndarray) -> dict:
-    """Mean acceptance length and per-position acceptance rates over the held-out starts."""
+    """Served-walk and all-starts acceptance of the head's greedy drafts on the held-out batches."""
     vocab = torch.from_numpy(draft_vocab.astype(np.int64))
-    accepted = torch.zeros(num_drafts, dtype=torch.int64)
-    num_starts = 0
-    for b in batches:
-        drafts = draft_tokens(head, b, num_drafts, vocab)  # [B, T, K]
-        truth = torch.stack([b.token_ids[:, b.at(1 + k)] for k in range(1, num_drafts + 1)], -1)
-        is_start = b.is_answer[:, b.at(1)] & b.is_valid[:, b.at(1 + num_drafts)]  # [B, T]
-        run = (drafts == truth).to(torch.int64).cumprod(-1)  # [B, T, K]: first k all accepted
-        accepted += run[is_start].sum(0)
-        num_starts += int(is_start.sum())
-    rates = (accepted.double() / max(num_starts, 1)).tolist()
+    drafts = [draft_tokens(head, b, num_drafts, vocab) for b in batches]  # each [B, T, K]
+    return acceptance_of_drafts(drafts, batches, num_drafts)
+
+
+def acceptance_of_drafts(drafts: list[torch.Tensor], batches: list[Batch], num_drafts: int) -> dict:
+    """Both reports from drafts [B, T, K] (drafts[b, p, k] is the guess for x_{p+2+k}) of each batch."""
+    all_starts, walk = [], []
+    for d, b in zip(drafts, batches):
+        truth = torch.stack([b.token_ids[:, b.at(1 + k)] for k in range(1, num_drafts + 1)], -1)  # [B, T, K]
+        accepted = (d == truth).to(torch.int64).cumprod(-1).sum(-1).numpy()  # [B, T]: leading drafts right
+        is_start = (b.is_answer[:, b.at(1)] & b.is_valid[:, b.at(1 + num_drafts)]).numpy()  # [B, T]
+        all_starts.append(accepted[is_start])
+        walk += [walk_steps(row, starts) for row, starts in zip(accepted, is_start)]
+    none = np.zeros(0, np.int64)
+    walk_counts, start_counts = np.concatenate([none, *walk]), np.concatenate([none, *all_starts])
     return {
         "num_drafts": num_drafts,
-        "num_starts": num_starts,
-        "per_position": [round(r, 4) for r in rates],
-        "mean_acceptance_length": round(1 + sum(rates), 4),
+        "served_walk": {"num_steps": len(walk_counts), **summary(walk_counts, num_drafts)},
+        "all_starts": {"num_starts": len(start_counts), **summary(start_counts, num_drafts)},
     }
+
+
+def walk_steps(accepted: np.ndarray, is_start: np.ndarray) -> np.ndarray:
+    """Accepted drafts of each step of the greedy serving walk through one window's rows.
+
+    accepted [T]: leading drafts from start p equal to the answer; is_start [T]: p is a start.
+    The walk begins at the first start (a window's first answer start: the last prompt row, or
+    row 0 of a window that continues a sequence), a step accepting a moves it to p + a + 1, and
+    it ends at the first row that is not a start (the answer runs out or the window ends). Each
+    window is walked on its own: eval batches regroup windows, and draft rows only see their own
+    window. Restarting at a continuation window's row 0 misplaces one step per `seq_len` rows.
+    """
+    steps, rows = [], np.flatnonzero(is_start)
+    p = int(rows[0]) if len(rows) else len(is_start)
+    while p < len(is_start) and is_start[p]:
+        steps.append(int(accepted[p]))
+        p += int(accepted[p]) + 1
+    return np.asarray(steps, np.int64)
+
+
+def summary(counts: np.ndarray, num_drafts: int) -> dict:
+    """Per-position rates and mean acceptance length from each step's accepted-draft count."""
+    rates = [float(np.mean(counts > k)) if len(counts) else 0.0 for k in range(num_drafts)]
+    return {"per_position": [round(r, 4) for r in rates], "mean_acceptance_length": round(1 + sum(rates), 4)}
 
 
 @torch.no_grad()

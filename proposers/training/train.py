@@ -124,7 +124,7 @@ def train(head: DraftHead, data: Dataset, cfg: TrainConfig, draft_index: np.ndar
                 bar.update(1)
                 bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", **{k: f"{v:.2f}" for k, v in parts.items()})
     head.eval()
-    tail = max(1, len(losses) // 10)
+    tail = min(steps_per_epoch, max(1, len(losses) // 2))  # first vs last epoch: the same windows
     return {
         "steps": len(losses),
         "epochs": cfg.epochs,
