@@ -181,3 +181,21 @@ def test_request_picks_another_method_and_unknown_methods_are_400s(spec_engine, 
             target.add_request(bad)
         assert err.value.param == "speculative.method"
         assert not target.has_unfinished()
+
+
+def test_ngram_first_gate_drafts_from_the_model_only_while_it_pays():
+    from proposers.heads.mtp import GATE_MIN_ACCEPT, GATE_PROBE_EVERY, ModelGate
+
+    gate = ModelGate()
+    assert gate.allows("r")  # no evidence yet: try the model
+    gate.drafted("r", 7)
+    gate.taken("r", [8, 9])  # the step emitted 8: the first draft (7) was rejected
+    assert gate.rate["r"] == pytest.approx(0.7 * 0.5) and gate.rate["r"] < GATE_MIN_ACCEPT
+    assert [gate.allows("r") for _ in range(GATE_PROBE_EVERY)] == [False] * (GATE_PROBE_EVERY - 1) + [True]
+    gate.drafted("r", 7)
+    gate.taken("r", [7, 5])  # this time the first draft passed
+    assert gate.rate["r"] == pytest.approx(0.7 * 0.35 + 0.3) and gate.allows("r")
+    gate.taken("r", [1])  # a step without a model draft changes nothing
+    assert gate.rate["r"] == pytest.approx(0.545)
+    gate.forget("r")
+    assert "r" not in gate.rate and gate.allows("r")
