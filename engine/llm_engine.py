@@ -12,7 +12,6 @@ row. Output tokens of a step = accepted + (recovered or bonus), so at least one.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
@@ -24,6 +23,7 @@ from engine.proposer_pool import ProposerPool
 from engine.request_input import prompt_token_ids, validate_params
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.spec_control import record_step
 from engine.spec_log import SpecLogger
 from engine.step_batch import StepBatch
 
@@ -43,6 +43,8 @@ class LLMEngine:
         self.spec_method = parts.spec.method if parts.spec else None
         self.num_speculative_tokens = parts.spec.num_speculative_tokens if parts.spec else 0
         self.controller = parts.controller
+        self.draft_caps: dict[str, dict[str, int]] = {}  # this step: request -> its cap per draft source
+        self.draft_source: dict[str, str] = {}  # this step: request -> the source that drafted for it
         self.step_batch = StepBatch(parts.cache, parts.runner.config.vocab_size)
         self.seqs: dict[str, Sequence] = {}
         self.states: dict[str, OutputState] = {}
@@ -106,27 +108,36 @@ class LLMEngine:
         return self.scheduler.schedule(self._draft_room).scheduled
 
     def _draft_room(self, seq: Sequence) -> int:
-        if self.proposers.of(seq.request_id) is None:
+        proposer = self.proposers.of(seq.request_id)
+        if proposer is None:
             return 0
         remaining = seq.params.max_tokens - seq.num_output_tokens
-        return self.controller.room(seq.params.num_speculative_tokens, seq, remaining)
+        caps = self.controller.room(seq.params.num_speculative_tokens, seq.draft_stats, remaining,
+                                    proposer.draft_sources)
+        self.draft_caps[seq.request_id] = caps
+        return max(caps.values(), default=0)
 
     def propose(self, sched: list[ScheduledSeq]):
         """Drafts for the requests that reserved room (decodes); others get none."""
+        self.draft_source = {}
         if self.proposer is None:
             return None
         from proposers.base import DraftRequest
 
         asks = [
             DraftRequest(s.seq.request_id, s.seq.token_ids[: s.seq.num_tokens], s.seq.num_prompt_tokens,
-                         s.max_draft_tokens, s.seq.params.temperature, s.seq.rng)
+                         s.max_draft_tokens, s.seq.params.temperature, s.seq.rng,
+                         self.draft_caps.get(s.seq.request_id))
             for s in sched if s.max_draft_tokens > 0
         ]
+        self.draft_caps = {}
         if not asks:
             return None
-        start = time.perf_counter()
         drafts = self.proposers.propose(asks)
-        self.controller.note_draft_time(time.perf_counter() - start, sum(len(t) for t in drafts.token_ids))
+        self.draft_source = {a.request_id: src for a, src, t in zip(asks, drafts.sources, drafts.token_ids) if len(t)}
+        for source, seconds in drafts.seconds.items():
+            num_tokens = sum(len(t) for t, src in zip(drafts.token_ids, drafts.sources) if src == source)
+            self.controller.note_draft_time(source, seconds, num_tokens)
         return drafts
 
     def accept_and_emit(self, sched: list[ScheduledSeq], logits: np.ndarray) -> list[Output]:
@@ -195,16 +206,12 @@ class LLMEngine:
         )
 
     def _record_spec(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        record_step(seq.draft_stats, self.draft_source.get(seq.request_id), num_drafts, num_accepted)
         if num_drafts == 0:
-            seq.steps_without_drafts += 1
             return
-        seq.steps_without_drafts = 0
         seq.num_drafts += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted
-        seq.first_accept_ema = 0.7 * seq.first_accept_ema + 0.3 * (num_accepted > 0)
-        if num_accepted > 0 and num_drafts > 1:
-            seq.cont_accept_ema = 0.7 * seq.cont_accept_ema + 0.3 * ((num_accepted - 1) / (num_drafts - 1))
         self.totals["num_drafts"] += 1
         self.totals["num_draft_tokens"] += num_drafts
         self.totals["num_accepted_tokens"] += num_accepted

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from engine.errors import InvalidRequest
 
@@ -89,20 +90,25 @@ class ProposerPool:
             proposer.stop_request(request_id)
 
     def propose(self, asks: list):
-        """Drafts for every ask, one `propose()` per proposer, in the asks' order."""
+        """Drafts for every ask, one `propose()` per proposer, in the asks' order; each ask's
+        source and the seconds per source are always filled in."""
         from proposers.base import Drafts
 
         groups: dict[int, list[int]] = {}
         for i, ask in enumerate(asks):
             groups.setdefault(id(self.of_request[ask.request_id]), []).append(i)
-        if len(groups) == 1:
-            return self.of_request[asks[0].request_id].propose(asks)
         out = Drafts.empty(len(asks))
-        out.probs = [None] * len(asks)
+        out.probs, out.sources, out.seconds = [None] * len(asks), [None] * len(asks), {}
         for indices in groups.values():
             proposer = self.of_request[asks[indices[0]].request_id]
+            start = time.perf_counter()
             got = proposer.propose([asks[i] for i in indices])
+            elapsed = time.perf_counter() - start
+            first_source = proposer.draft_sources[0]
             for j, i in enumerate(indices):
                 out.token_ids[i] = got.token_ids[j]
                 out.probs[i] = got.probs[j] if got.probs else None
+                out.sources[i] = (got.sources[j] if got.sources else None) or first_source
+            for source, seconds in (got.seconds or {first_source: elapsed}).items():
+                out.seconds[source] = out.seconds.get(source, 0.0) + seconds
         return out

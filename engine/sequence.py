@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 
 from engine.protocol import SamplingParams
+from engine.spec_control import SourceStats
 
 _arrival = itertools.count()
 
@@ -38,11 +39,7 @@ class Sequence:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        # Running estimates: P(first draft accepted), P(next draft accepted | previous accepted).
-        self.first_accept_ema = 0.5
-        self.cont_accept_ema = 0.8
-        self.steps_without_drafts = 0
-        self.probe_interval = 0  # steps between probes while drafting does not pay (0: not backing off yet)
+        self.draft_stats: dict[str, SourceStats] = {}  # draft source -> its acceptance for this request
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""How many draft tokens a request may take this step.
+"""How many draft tokens a request may take this step, per draft source.
 
 Three limits, smallest wins:
 - the request's own cap (`num_speculative_tokens` in the request; 0 = off) and the server's K;
@@ -9,22 +9,60 @@ Three limits, smallest wins:
   and c = P(next accepted | previous accepted), a chain of k drafts yields
   E[tokens] = 1 + a1 (1 - c^k) / (1 - c) per verify of k+1 tokens, whose cost relative to
   a plain decode is cost(k+1) from the runner's measured verify curve. We pick the k
-  that maximises E[tokens] / (cost(k+1) + k * d), where d is the proposer's measured time per
+  that maximises E[tokens] / (cost(k+1) + k * d), where d is the source's measured time per
   draft token relative to a plain decode (about 0 for lookups, a real share for a draft model or
   head); at low acceptance that is k = 0, plain decoding.
 
-While k = 0 a request probes with one draft token every PROBE_EVERY steps, so it notices when
-acceptance recovers. A probe that does not bring drafting back doubles the wait before the
-next one (up to PROBE_MAX steps): on text a proposer cannot predict, probing then costs a
-fraction of a percent instead of a verify of two tokens every few steps.
+A proposer drafts from one or more *sources* (a hybrid has a lookup and a model). Acceptance
+(a1, c) is kept per request and source, and draft cost per source, so a weak head cannot pull
+down the lookup drafts of the same request, nor a free lookup hide the cost of a head. Each
+source gets its own k; the request reserves the largest, and the proposer drafts from one source
+within that source's k.
+
+While a source's k is 0 a request probes it with one draft token every PROBE_EVERY steps, so it
+notices when acceptance recovers. A probe that does not bring drafting back doubles the wait
+before the next one (up to PROBE_MAX steps): on text a source cannot predict, probing then costs
+a fraction of a percent instead of a verify of two tokens every few steps.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 PROBE_EVERY = 8  # steps
 PROBE_MAX = 128  # steps
+
+
+@dataclass(slots=True)
+class SourceStats:
+    """One request's running record of one draft source."""
+
+    first: float = 0.5  # EMA of P(first draft accepted)
+    cont: float = 0.8  # EMA of P(next draft accepted | previous accepted)
+    idle_steps: int = 0  # steps since this source last drafted for the request
+    probe_interval: int = 0  # steps between probes while drafting does not pay (0: not backing off)
+    probing: bool = False  # this step's k is a probe
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """The outcome of a step in which this source drafted num_drafts tokens (0: it did not draft)."""
+        if num_drafts == 0:
+            self.idle_steps += 1
+        else:
+            self.idle_steps = 0
+            self.first = 0.7 * self.first + 0.3 * (num_accepted > 0)
+            if num_accepted > 0 and num_drafts > 1:
+                self.cont = 0.7 * self.cont + 0.3 * ((num_accepted - 1) / (num_drafts - 1))
+            if self.probing:  # a probe that ran: wait longer before the next (reset once drafting pays)
+                self.probe_interval = min(2 * (self.probe_interval or PROBE_EVERY), PROBE_MAX)
+        self.probing = False
+
+
+def record_step(stats: dict[str, SourceStats], source: str | None, num_drafts: int, num_accepted: int) -> None:
+    """A request's step outcome: `source` drafted num_drafts tokens (None or 0 drafts: no source did)."""
+    for name, st in stats.items():
+        st.record(num_drafts if name == source else 0, num_accepted)
 
 
 def expected_tokens(first: float, cont: float, k: int) -> float:
@@ -47,34 +85,44 @@ class DraftController:
         self.left = step_budget
         self.adaptive = adaptive
         self.t1_seconds = t1_seconds  # a plain decode forward, the unit of cost
-        self.draft_cost = 0.0  # EMA of one draft token's proposer time, in units of t1
+        self.draft_cost: dict[str, float] = {}  # source -> EMA of one draft token's time, in units of t1
 
-    def note_draft_time(self, seconds: float, num_draft_tokens: int) -> None:
+    def note_draft_time(self, source: str, seconds: float, num_draft_tokens: int) -> None:
         if num_draft_tokens > 0 and self.t1_seconds > 0:
             cost = seconds / num_draft_tokens / self.t1_seconds
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * cost if self.draft_cost else cost
+            old = self.draft_cost.get(source)
+            self.draft_cost[source] = cost if old is None else 0.8 * old + 0.2 * cost
 
     def start_step(self) -> None:
         self.left = self.step_budget
 
-    def best_k(self, first: float, cont: float, cap: int) -> int:
+    def best_k(self, first: float, cont: float, cap: int, draft_cost: float = 0.0) -> int:
         cap = min(cap, self.max_k, len(self.verify_cost) - 2)
-        rates = [expected_tokens(first, cont, k) / (self.verify_cost[k + 1] + k * self.draft_cost)
+        rates = [expected_tokens(first, cont, k) / (self.verify_cost[k + 1] + k * draft_cost)
                  for k in range(cap + 1)]
         return int(np.argmax(rates))
 
-    def room(self, requested_cap: int | None, seq, remaining_tokens: int) -> int:
+    def room(self, requested_cap: int | None, stats: dict[str, SourceStats], remaining_tokens: int,
+             sources: tuple[str, ...]) -> dict[str, int]:
+        """Draft tokens each source may give the request this step ({} or all 0: none)."""
         cap = self.max_k if requested_cap is None else min(requested_cap, self.max_k)
         cap = min(cap, remaining_tokens - 1)
         if cap <= 0:
-            return 0
-        k = self.best_k(seq.first_accept_ema, seq.cont_accept_ema, cap) if self.adaptive else cap
-        if k > 0:
-            seq.probe_interval = 0
-        elif seq.steps_without_drafts >= (seq.probe_interval or PROBE_EVERY):
-            k = 1  # probe now and then, so a request whose acceptance recovers gets drafts again
-            seq.probe_interval = min(2 * (seq.probe_interval or PROBE_EVERY), PROBE_MAX)
+            return {}
+        caps = {s: self._source_k(s, stats.setdefault(s, SourceStats()), cap) for s in sources}
         if self.step_budget:
-            k = min(k, self.left)
+            k = min(max(caps.values()), self.left)
             self.left -= k
-        return max(k, 0)
+            caps = {s: min(c, k) for s, c in caps.items()}
+        return caps
+
+    def _source_k(self, source: str, st: SourceStats, cap: int) -> int:
+        if not self.adaptive:
+            return cap
+        k = self.best_k(st.first, st.cont, cap, self.draft_cost.get(source, 0.0))
+        if k > 0:
+            st.probe_interval = 0
+            return k
+        # probe now and then, so a source whose acceptance recovers gets to draft again
+        st.probing = st.idle_steps >= (st.probe_interval or PROBE_EVERY)
+        return int(st.probing)

@@ -38,6 +38,13 @@ class DraftRequest:
     max_draft_tokens: int  # this step's cap, 0..K (per-request cap and load budget already applied)
     temperature: float
     rng: np.random.Generator | None = None  # the request's own generator (seeded requests), for sampled drafts
+    # A proposer with several draft sources (`Proposer.draft_sources`): this step's cap per source,
+    # each <= max_draft_tokens; None = max_draft_tokens for every source.
+    caps: Mapping[str, int] | None = None
+
+    def cap(self, source: str) -> int:
+        """Draft tokens `source` may give this request this step."""
+        return self.max_draft_tokens if self.caps is None else min(self.caps.get(source, 0), self.max_draft_tokens)
 
 
 @dataclass(slots=True)
@@ -56,6 +63,10 @@ class Drafts:
     token_ids: list[np.ndarray]  # request i: [num_drafts_i] int32, 0 <= num_drafts_i <= max_draft_tokens_i
     # per request [num_drafts_i, vocab] float32 draft distribution q, or None = one-hot (model-free)
     probs: list[np.ndarray | None] | None = None
+    # per request the source that drafted (`Proposer.draft_sources`); None = the proposer's first
+    sources: list[str | None] | None = None
+    # seconds spent per source; None = the whole call was the first source's
+    seconds: dict[str, float] | None = None
 
     @classmethod
     def empty(cls, num_requests: int) -> Drafts:
@@ -86,6 +97,13 @@ class Proposer:
         self.config = config
         self.vocab_size = vocab_size
         self.options = self.parse_options(config.options)
+
+    @property
+    def draft_sources(self) -> tuple[str, ...]:
+        """The ways this proposer drafts. The engine keeps acceptance per request and source and
+        draft cost per source, and caps each source separately (`DraftRequest.caps`); a proposer
+        that drafts in one way has one source, its method's name."""
+        return (self.config.method,)
 
     @classmethod
     def parse_options(cls, options: Mapping[str, Any]) -> msgspec.Struct:

@@ -183,19 +183,19 @@ def test_request_picks_another_method_and_unknown_methods_are_400s(spec_engine, 
         assert not target.has_unfinished()
 
 
-def test_ngram_first_gate_drafts_from_the_model_only_while_it_pays():
-    from proposers.heads.mtp import GATE_MIN_ACCEPT, GATE_PROBE_EVERY, ModelGate
-
-    gate = ModelGate()
-    assert gate.allows("r")  # no evidence yet: try the model
-    gate.drafted("r", 7)
-    gate.taken("r", [8, 9])  # the step emitted 8: the first draft (7) was rejected
-    assert gate.rate["r"] == pytest.approx(0.7 * 0.5) and gate.rate["r"] < GATE_MIN_ACCEPT
-    assert [gate.allows("r") for _ in range(GATE_PROBE_EVERY)] == [False] * (GATE_PROBE_EVERY - 1) + [True]
-    gate.drafted("r", 7)
-    gate.taken("r", [7, 5])  # this time the first draft passed
-    assert gate.rate["r"] == pytest.approx(0.7 * 0.35 + 0.3) and gate.allows("r")
-    gate.taken("r", [1])  # a step without a model draft changes nothing
-    assert gate.rate["r"] == pytest.approx(0.545)
-    gate.forget("r")
-    assert "r" not in gate.rate and gate.allows("r")
+def test_ngram_first_drafts_from_each_source_and_the_engine_judges_them_apart(spec_engine, reference):
+    """The lookup drafts where the text repeats, the modules elsewhere; each source gets its own record."""
+    engine = spec_engine("mtp_ngram_first")
+    assert engine.proposer.draft_sources == ("ngram", "mtp")
+    engine.add_request(Generate("sources-1", GREEDY, prompt=PROMPTS[1]))
+    seq, drafted_by, tokens = engine.seqs["sources-1"], [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.token_ids
+        drafted_by.append(engine.draft_source.get("sources-1"))
+    assert tokens == reference[1]
+    assert set(seq.draft_stats) == {"ngram", "mtp"}
+    assert {"ngram", "mtp"} <= set(drafted_by)  # both sources drafted in this request
+    ngram, head = seq.draft_stats["ngram"], seq.draft_stats["mtp"]
+    # the random head's guesses fail, the lookup's copies of the prompt pass: told apart
+    assert head.first < 0.5 < ngram.first
