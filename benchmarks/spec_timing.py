@@ -75,7 +75,8 @@ def instrument(engine):
 
 
 def reset_proposer(engine) -> None:
-    """A fresh proposer of the same class and config: no state carried over from earlier blocks."""
+    """A fresh proposer of the same class and config, and no acceptance history in the draft controller:
+    no state carried over from earlier blocks."""
     if engine.has_unfinished():
         raise ValueError("engines: cannot reset the proposer of an engine with running requests")
     engine.reset_proposers()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
 from engine.gguf_loader import GGUFModel, ModelConfig
@@ -71,6 +72,10 @@ class CpuRunner:
                  num_layers: int | None = None, weights_from: "CpuRunner | None" = None):
         if num_threads > 0:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
+        # The Numba kernels own the cores. NumPy's BLAS (the draft heads' small attention products)
+        # would keep worker threads spinning after each call, taking those cores from the next
+        # forward (measured: an eagle head that seldom drafts at 0.89x of plain decoding; 1.0x with this).
+        threadpool_limits(1, user_api="blas")
         cfg = model.config
         if num_layers is not None:
             if not 1 <= num_layers <= cfg.num_layers:

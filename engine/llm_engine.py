@@ -23,7 +23,6 @@ from engine.proposer_pool import ProposerPool
 from engine.request_input import prompt_token_ids, validate_params
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.spec_control import record_step
 from engine.spec_log import SpecLogger
 from engine.step_batch import StepBatch
 
@@ -198,7 +197,9 @@ class LLMEngine:
         return sorted(default_registry().names())
 
     def reset_proposers(self) -> None:
+        """Fresh proposers, and the controller forgets what earlier requests' drafts did (no request may run)."""
         self.proposers.reset()
+        self.controller.prior.clear()
 
     def _hash_blocks(self, seq: Sequence) -> None:
         seq.num_hashed_blocks, seq.last_block_hash = self.scheduler.blocks.register_full_blocks(
@@ -206,7 +207,7 @@ class LLMEngine:
         )
 
     def _record_spec(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        record_step(seq.draft_stats, self.draft_source.get(seq.request_id), num_drafts, num_accepted)
+        self.controller.record(seq.draft_stats, self.draft_source.get(seq.request_id), num_drafts, num_accepted)
         if num_drafts == 0:
             return
         seq.num_drafts += 1

@@ -17,7 +17,9 @@ A proposer drafts from one or more *sources* (a hybrid has a lookup and a model)
 (a1, c) is kept per request and source, and draft cost per source, so a weak head cannot pull
 down the lookup drafts of the same request, nor a free lookup hide the cost of a head. Each
 source gets its own k; the request reserves the largest, and the proposer drafts from one source
-within that source's k.
+within that source's k. A new request's estimates start from the source's acceptance over recent
+requests (a slow EMA), not from a fixed guess, so a head that seldom pays on this server's traffic
+does not spend every new request's first steps finding that out again.
 
 While a source's k is 0 a request probes it with one draft token every PROBE_EVERY steps, so it
 notices when acceptance recovers. A probe that does not bring drafting back doubles the wait
@@ -33,6 +35,7 @@ import numpy as np
 
 PROBE_EVERY = 8  # steps
 PROBE_MAX = 128  # steps
+PRIOR_WEIGHT = 0.05  # per drafting step of any request, in the per-source estimate new requests start from
 
 
 @dataclass(slots=True)
@@ -59,12 +62,6 @@ class SourceStats:
         self.probing = False
 
 
-def record_step(stats: dict[str, SourceStats], source: str | None, num_drafts: int, num_accepted: int) -> None:
-    """A request's step outcome: `source` drafted num_drafts tokens (None or 0 drafts: no source did)."""
-    for name, st in stats.items():
-        st.record(num_drafts if name == source else 0, num_accepted)
-
-
 def expected_tokens(first: float, cont: float, k: int) -> float:
     if k == 0:
         return 1.0
@@ -86,12 +83,24 @@ class DraftController:
         self.adaptive = adaptive
         self.t1_seconds = t1_seconds  # a plain decode forward, the unit of cost
         self.draft_cost: dict[str, float] = {}  # source -> EMA of one draft token's time, in units of t1
+        # source -> acceptance over all requests (a slow EMA): where a new request's estimate starts
+        self.prior: dict[str, SourceStats] = {}
 
     def note_draft_time(self, source: str, seconds: float, num_draft_tokens: int) -> None:
         if num_draft_tokens > 0 and self.t1_seconds > 0:
             cost = seconds / num_draft_tokens / self.t1_seconds
             old = self.draft_cost.get(source)
             self.draft_cost[source] = cost if old is None else 0.8 * old + 0.2 * cost
+
+    def record(self, stats: dict[str, SourceStats], source: str | None, num_drafts: int, num_accepted: int) -> None:
+        """A request's step outcome: `source` drafted num_drafts tokens (None or 0 drafts: no source did)."""
+        for name, st in stats.items():
+            st.record(num_drafts if name == source else 0, num_accepted)
+        if source is not None and num_drafts > 0:
+            prior = self.prior.setdefault(source, SourceStats())
+            prior.first = (1 - PRIOR_WEIGHT) * prior.first + PRIOR_WEIGHT * (num_accepted > 0)
+            if num_accepted > 0 and num_drafts > 1:
+                prior.cont = (1 - PRIOR_WEIGHT) * prior.cont + PRIOR_WEIGHT * (num_accepted - 1) / (num_drafts - 1)
 
     def start_step(self) -> None:
         self.left = self.step_budget
@@ -109,12 +118,19 @@ class DraftController:
         cap = min(cap, remaining_tokens - 1)
         if cap <= 0:
             return {}
-        caps = {s: self._source_k(s, stats.setdefault(s, SourceStats()), cap) for s in sources}
+        for s in sources:
+            if s not in stats:
+                stats[s] = self._fresh(s)
+        caps = {s: self._source_k(s, stats[s], cap) for s in sources}
         if self.step_budget:
             k = min(max(caps.values()), self.left)
             self.left -= k
             caps = {s: min(c, k) for s, c in caps.items()}
         return caps
+
+    def _fresh(self, source: str) -> SourceStats:
+        prior = self.prior.get(source)
+        return SourceStats() if prior is None else SourceStats(first=prior.first, cont=prior.cont)
 
     def _source_k(self, source: str, st: SourceStats, cap: int) -> int:
         if not self.adaptive:

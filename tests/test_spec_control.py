@@ -2,10 +2,11 @@
 and how the sources of a hybrid proposer are judged apart."""
 
 import numpy as np
+import pytest
 
 from engine.protocol import SamplingParams
 from engine.sequence import Sequence
-from engine.spec_control import PROBE_EVERY, PROBE_MAX, DraftController, SourceStats, record_step
+from engine.spec_control import PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, DraftController, SourceStats
 
 LINEAR_COST = np.arange(10, dtype=np.float64)  # verify_cost[T] = T: a verify of T tokens costs T plain steps
 FLAT_COST = np.ones(10)  # verifying T tokens costs one plain step
@@ -27,7 +28,7 @@ def run_steps(ctl: DraftController, seq: Sequence, num_steps: int, source: str =
         k = ctl.room(None, seq.draft_stats, 10_000, (source,))[source]
         if k > 0:
             drafted.append(step)
-        record_step(seq.draft_stats, source if k else None, k, 0)
+        ctl.record(seq.draft_stats, source if k else None, k, 0)
     return drafted
 
 
@@ -73,10 +74,10 @@ def test_a_probe_the_proposer_did_not_use_is_offered_again():
     seq.draft_stats["ngram"].idle_steps = PROBE_EVERY
     for _ in range(3):  # offered a probe, but the lookup had no match
         assert ctl.room(None, seq.draft_stats, 10_000, ("ngram",)) == {"ngram": 1}
-        record_step(seq.draft_stats, None, 0, 0)
+        ctl.record(seq.draft_stats, None, 0, 0)
     assert seq.draft_stats["ngram"].probe_interval == 0
     ctl.room(None, seq.draft_stats, 10_000, ("ngram",))
-    record_step(seq.draft_stats, "ngram", 1, 0)  # this time it drafted, and missed
+    ctl.record(seq.draft_stats, "ngram", 1, 0)  # this time it drafted, and missed
     assert seq.draft_stats["ngram"].probe_interval == 2 * PROBE_EVERY
 
 
@@ -94,11 +95,11 @@ def test_a_weak_source_does_not_cost_the_strong_one_its_drafts():
     for step in range(40):
         caps = ctl.room(None, seq.draft_stats, 10_000, HYBRID)
         if step % 2 == 0 and caps["ngram"]:  # the lookup finds a match every other step; all 4 pass
-            record_step(seq.draft_stats, "ngram", caps["ngram"], caps["ngram"])
+            ctl.record(seq.draft_stats, "ngram", caps["ngram"], caps["ngram"])
         elif caps["mtp"]:  # elsewhere the head drafts; none passes
-            record_step(seq.draft_stats, "mtp", caps["mtp"], 0)
+            ctl.record(seq.draft_stats, "mtp", caps["mtp"], 0)
         else:
-            record_step(seq.draft_stats, None, 0, 0)
+            ctl.record(seq.draft_stats, None, 0, 0)
     caps = ctl.room(None, seq.draft_stats, 10_000, HYBRID)
     assert caps["ngram"] == 4 and caps["mtp"] == 0
     assert seq.draft_stats["ngram"].first > 0.99
@@ -125,3 +126,16 @@ def test_the_step_budget_caps_every_source():
     ctl.start_step()
     assert ctl.room(None, seq_a.draft_stats, 10_000, HYBRID) == {"ngram": 3, "mtp": 3}
     assert ctl.room(None, seq_b.draft_stats, 10_000, HYBRID) == {"ngram": 0, "mtp": 0}
+
+
+def test_a_new_request_starts_from_what_the_source_did_for_earlier_ones():
+    ctl = DraftController(max_k=4, step_budget=0, verify_cost=np.array([0.0, 1.0, 1.3, 1.6, 1.9, 2.2]))
+    assert ctl.room(None, make_seq().draft_stats, 10_000, ("eagle",))["eagle"] > 0  # no history: 0.5, try it
+    earlier = make_seq(eagle=0.5)
+    for _ in range(60):  # earlier requests: the head's drafts never passed
+        ctl.record(earlier.draft_stats, "eagle", 2, 0)
+    assert ctl.prior["eagle"].first == pytest.approx(0.5 * (1 - PRIOR_WEIGHT) ** 60)
+    fresh = make_seq()
+    assert ctl.room(None, fresh.draft_stats, 10_000, ("eagle",)) == {"eagle": 0}  # does not pay: plain from step 1
+    assert fresh.draft_stats["eagle"].first == ctl.prior["eagle"].first
+    assert ctl.room(None, make_seq().draft_stats, 10_000, ("ngram",))["ngram"] > 0  # other sources keep 0.5
