@@ -14,7 +14,9 @@ Fairness: one engine per method, built once; every engine is warmed up on every 
 (JIT compiled, prompt KV in the prefix cache), the methods run interleaved per category (with
 `--repeats`, each repeat goes round all methods before the next; the fastest repeat counts), and
 each block starts from a fresh proposer, so a suffix cache only holds responses of the same
-block (cross-request reuse inside a category, nothing from earlier blocks or repeats).
+block (cross-request reuse inside a category, nothing from earlier blocks or repeats). All
+speculative engines share one verify curve (the per-T median of their start-up measurements), so
+the draft-length choices of two methods never differ because one engine measured a noisier curve.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import sys
 import time
 from collections.abc import Mapping
 from types import SimpleNamespace
+
+import numpy as np
 
 from benchmarks import report
 from benchmarks.prompts import BenchPrompt, builtin_prompts, by_category, load_prompts, select
@@ -174,6 +178,7 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         raise ValueError("repeats: must be >= 1")
     modes = [("batch1", 1)] + ([("concurrent", concurrency)] if concurrency > 1 else [])
     groups = by_category(prompts)
+    share_verify_curve(engines.values())
     for engine in engines.values():
         warm_up(engine, prompts, concurrency, max_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -194,6 +199,23 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         "methods": {label: _spec_dict(e) for label, e in engines.items()},
         "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines)),
     }
+
+
+def share_verify_curve(engines) -> None:
+    """Give every engine the per-T median of the verify curves they measured at start-up.
+
+    Each engine's draft controller picks k from its own start-up measurement, which moves by a few
+    percent from engine to engine on a noisy machine, enough to flip k between 1 and 3 at the same
+    acceptance. One shared curve (same model, same threads) keeps that noise out of the comparison."""
+    controllers = [e.controller for e in engines if e.controller.t1_seconds > 0]
+    if len(controllers) < 2:
+        return
+    longest = max(len(c.verify_cost) for c in controllers)
+    curve = np.array([np.median([c.verify_cost[t] for c in controllers if t < len(c.verify_cost)])
+                      for t in range(longest)])
+    t1 = float(np.median([c.t1_seconds for c in controllers]))
+    for c in controllers:
+        c.verify_cost, c.t1_seconds = np.maximum.accumulate(curve[: len(c.verify_cost)]), t1
 
 
 def _progress(items, enabled: bool):

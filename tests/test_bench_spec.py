@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from benchmarks import report
 from benchmarks.prompts import BUILTIN_CATEGORIES, builtin_prompts, load_prompts, parse_record, select
-from benchmarks.spec import main, method_configs, run_spec_bench
+from benchmarks.spec import main, method_configs, run_spec_bench, share_verify_curve
 from engine.generate import generate
 from engine.protocol import SamplingParams
 
@@ -99,6 +101,23 @@ def test_engines_are_left_unwrapped(result, engines):
         assert "forward" not in vars(e.runner)
         assert e.proposer is None or "propose" not in vars(e.proposer)
         assert not e.has_unfinished()
+
+
+def test_speculative_engines_share_one_verify_curve(result, engines):
+    curves = [e.controller.verify_cost for e in engines.values() if e.proposer is not None]
+    assert len(curves) == 2 and np.array_equal(curves[0], curves[1])
+
+
+def test_the_shared_curve_is_the_per_t_median():
+    def engine(curve, t1):
+        return SimpleNamespace(controller=SimpleNamespace(verify_cost=np.array(curve), t1_seconds=t1))
+
+    engines = [engine([1, 1, 1.2, 1.9], 0.008), engine([1, 1, 1.4, 1.7], 0.010), engine([1, 1, 1.3, 2.0, 2.5], 0.009),
+               engine([1.0], 0.0)]  # the last one never measured a curve (no speculation): left alone
+    share_verify_curve(engines)
+    assert engines[0].controller.verify_cost.tolist() == [1, 1, 1.3, 1.9]
+    assert engines[2].controller.verify_cost.tolist() == [1, 1, 1.3, 1.9, 2.5]  # T = 4 only it measured
+    assert [e.controller.t1_seconds for e in engines] == [0.009, 0.009, 0.009, 0.0]
 
 
 def test_json_markdown_and_table(result, tmp_path):
