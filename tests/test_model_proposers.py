@@ -183,16 +183,19 @@ def test_request_picks_another_method_and_unknown_methods_are_400s(spec_engine, 
         assert not target.has_unfinished()
 
 
-def test_ngram_first_drafts_from_each_source_and_the_engine_judges_them_apart(spec_engine, reference):
-    """The lookup drafts where the text repeats, the modules elsewhere; each source gets its own record."""
-    engine = spec_engine("mtp_ngram_first")
+@pytest.mark.parametrize("name", ["mtp_ngram_first", "mtp_with_ngram"])
+def test_hybrids_draft_from_each_source_and_the_engine_judges_them_apart(name, spec_engine, reference):
+    """Both sources draft in one request (ngram_first: the lookup where the text repeats; with_ngram: the
+    modules first, until their misses take their cap to 0 and the lookup drafts alone); each source gets
+    its own record."""
+    engine = spec_engine(name)
     assert engine.proposer.draft_sources == ("ngram", "mtp")
-    engine.add_request(Generate("sources-1", GREEDY, prompt=PROMPTS[1]))
-    seq, drafted_by, tokens = engine.seqs["sources-1"], [], []
+    engine.add_request(Generate(f"sources-{name}", GREEDY, prompt=PROMPTS[1]))
+    seq, drafted_by, tokens = engine.seqs[f"sources-{name}"], [], []
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.token_ids
-        drafted_by.append(engine.draft_source.get("sources-1"))
+        drafted_by.append(engine.draft_source.get(f"sources-{name}"))
     assert tokens == reference[1]
     assert set(seq.draft_stats) == {"ngram", "mtp"}
     assert {"ngram", "mtp"} <= set(drafted_by)  # both sources drafted in this request

@@ -9,10 +9,13 @@ context plus the MTP drafts, up to this step's draft cap.
 finds a continuation (the output is copying its context, as in code edits), its drafts are used;
 elsewhere the MTP modules draft (topped up by lookup, as with `with_ngram`). Lookup matches are
 accepted far more often than a head's guesses on copied text, so copied text keeps the lookup's
-long accepted runs that `with_ngram` loses to a wrong first MTP draft. The two are separate draft
-sources ("ngram" and "mtp"): the engine's controller keeps each one's acceptance and cost per
-request and caps each separately (`DraftRequest.caps`), so a weak head stops drafting without
-costing the request its lookup drafts.
+long accepted runs that `with_ngram` loses to a wrong first MTP draft.
+
+Both hybrids have two draft sources, "mtp" (the modules, with any lookup top-up) and "ngram" (a
+lookup alone). The engine's controller keeps each one's acceptance and cost per request and caps
+each separately (`DraftRequest.caps`): where the modules do not pay for themselves their cap is 0
+and the request drafts by lookup alone, so a weak head never costs the request its lookup drafts.
+With `"adaptive": false` every cap is K and `with_ngram` is exactly FastDeploy's order.
 """
 
 from __future__ import annotations
@@ -52,27 +55,35 @@ class MtpProposer(FeatureHeadProposer):
 
     @property
     def draft_sources(self) -> tuple[str, ...]:
-        return ("ngram", "mtp") if self.options.mtp_strategy == "ngram_first" else ("mtp",)
+        return ("mtp",) if self.ngram is None else ("ngram", "mtp")
 
     def model_steps(self, ask: DraftRequest) -> int:
         return min(ask.max_draft_tokens, self.num_model_steps)
 
     def propose(self, requests: list[DraftRequest]) -> Drafts:
-        if self.options.mtp_strategy != "ngram_first":
+        """Per request, the first source in the strategy's order that drafts anything within its cap."""
+        if self.ngram is None:
             return super().propose(requests)
-        start = time.perf_counter()
-        looked = self.ngram.propose([replace(a, max_draft_tokens=a.cap("ngram")) for a in requests]).token_ids
-        lookup_done = time.perf_counter()
-        rest = [i for i, e in enumerate(looked) if len(e) == 0 and requests[i].cap("mtp") > 0]
-        modelled = super().propose([replace(requests[i], max_draft_tokens=requests[i].cap("mtp")) for i in rest])
-        seconds = {"ngram": lookup_done - start, "mtp": time.perf_counter() - lookup_done}
-        # a looked-up draft is certain (q = None means one-hot, as for the ngram proposer)
-        out = Drafts([e.astype(np.int32) for e in looked], [None] * len(requests),
-                     ["ngram" if len(e) else None for e in looked], seconds)
-        for j, i in enumerate(rest):
-            out.token_ids[i], out.probs[i] = modelled.token_ids[j], modelled.probs[j]
-            out.sources[i] = "mtp" if len(out.token_ids[i]) else None
+        order = ("mtp", "ngram") if self.options.mtp_strategy == "with_ngram" else ("ngram", "mtp")
+        n = len(requests)
+        out = Drafts([np.zeros(0, np.int32)] * n, [None] * n, [None] * n, {})
+        for source in order:
+            asks = [i for i in range(n) if out.sources[i] is None and requests[i].cap(source) > 0]
+            start = time.perf_counter()
+            got = self._propose_from(source, [replace(requests[i], max_draft_tokens=requests[i].cap(source))
+                                              for i in asks])
+            out.seconds[source] = time.perf_counter() - start
+            for j, i in enumerate(asks):
+                if len(got.token_ids[j]):
+                    out.token_ids[i] = got.token_ids[j].astype(np.int32)
+                    out.probs[i] = got.probs[j] if got.probs else None  # None: looked up, one-hot
+                    out.sources[i] = source
         return out
+
+    def _propose_from(self, source: str, asks: list[DraftRequest]) -> Drafts:
+        if source == "ngram":
+            return self.ngram.propose(asks)
+        return super().propose(asks)  # the modules, topped up by lookup (`draft`)
 
     def draft(self, asks):
         """The modules' drafts, topped up by lookup unless the strategy is "default"."""
