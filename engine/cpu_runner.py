@@ -16,10 +16,12 @@ from threadpoolctl import threadpool_limits
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
 from engine.gguf_loader import GGUFModel, ModelConfig
+from engine.kernels import layer as layer_kernels
 from engine.kernels import ops
-from engine.kernels.attention import paged_attention, write_kv
-from engine.kernels.linear import linear, pack_gguf_tensor
-from engine.kernels.weights import concat_gguf_rows, embed_rows
+from engine.kernels.attention import vector_shapes
+from engine.kernels.int_linear import QuantRows, host_path
+from engine.kernels.linear import linear, pack_gguf_rows, pack_gguf_tensor
+from engine.kernels.weights import embed_rows
 
 
 @dataclass(slots=True)
@@ -64,12 +66,31 @@ class ForwardBatch:
         self.num_reqs, self.num_tokens = r + 1, t0 + n
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "float32")
+
+
+def kv_dtype_name(kv_cache_dtype: str, numerics: str, cfg: ModelConfig, block_size: int) -> str:
+    """The KV cache's element type: "auto" is float16 under int8 numerics (where the vector attention
+    serves the shapes) and float32 under exact numerics."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    fits = vector_shapes(cfg.head_dim, block_size)
+    if kv_cache_dtype == "float16" and not fits:
+        raise ValueError(f"kv_cache_dtype float16 needs head_dim ({cfg.head_dim}) and block_size ({block_size}) "
+                         "to be multiples of 16")
+    if kv_cache_dtype == "auto":
+        return "float16" if numerics == "int8" and fits else "float32"
+    return kv_cache_dtype
+
+
 class CpuRunner:
-    """`num_layers` < the model's keeps only its first layers (a self-speculative draft);
-    `weights_from` shares another runner's packed weights instead of packing them again."""
+    """`numerics`: "int8" (integer weight products on int8-quantized activations) or "exact"
+    (strict float32); `num_layers` < the model's keeps only its first layers (a self-speculative
+    draft); `weights_from` shares another runner's packed weights instead of packing them again."""
 
     def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0,
-                 num_layers: int | None = None, weights_from: "CpuRunner | None" = None):
+                 num_layers: int | None = None, weights_from: "CpuRunner | None" = None, numerics: str = "int8",
+                 kv_cache_dtype: str = "auto"):
         if num_threads > 0:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
         # The Numba kernels own the cores. NumPy's BLAS (the draft heads' small attention products)
@@ -84,6 +105,7 @@ class CpuRunner:
         self.config = cfg
         self.cache = cache
         self.capture_hidden = False  # also keep the final-normed hidden state of every row
+        self.numerics = weights_from.numerics if weights_from is not None else numerics
         if weights_from is not None:
             self.embed, self.final_norm, self.lm_head = weights_from.embed, weights_from.final_norm, weights_from.lm_head
             self.layers = weights_from.layers[: cfg.num_layers]
@@ -95,35 +117,38 @@ class CpuRunner:
             max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors()
         )
         # K is stored transposed within a block so that one block's scores are a vector op over keys.
-        self.k_cache = np.zeros((cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cfg.head_dim, cache.block_size), np.float32)
-        self.v_cache = np.zeros((cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim), np.float32)
+        # fp16 entries are kept as their uint16 bits (the kernels convert them exactly on load).
+        self.kv_cache_dtype = kv_dtype_name(kv_cache_dtype, self.numerics, cfg, cache.block_size)  # "float16" | "float32"
+        kv_dtype = np.uint16 if self.kv_cache_dtype == "float16" else np.float32
+        self.k_cache = np.zeros((cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cfg.head_dim, cache.block_size), kv_dtype)
+        self.v_cache = np.zeros((cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
         self._alloc_activations()
+        self._compile_layers()
 
     @staticmethod
-    def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-        return 2 * cfg.num_layers * block_size * cfg.kv_size * 4
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, numerics: str = "int8", kv_cache_dtype: str = "auto") -> int:
+        width = 2 if kv_dtype_name(kv_cache_dtype, numerics, cfg, block_size) == "float16" else 4
+        return 2 * cfg.num_layers * block_size * cfg.kv_size * width
 
     def _load_weights(self, model: GGUFModel) -> None:
-        cfg = self.config
+        cfg, numerics = self.config, self.numerics
         self.embed = model.tensor("token_embd.weight")
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"blk.{i}."
-            qkv = concat_gguf_rows([model.tensor(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
-            gate_up = concat_gguf_rows([model.tensor(p + "ffn_gate.weight"), model.tensor(p + "ffn_up.weight")])
             self.layers.append(
                 (
                     model.dense(p + "attn_norm.weight"),
-                    pack_gguf_tensor(qkv),
-                    pack_gguf_tensor(model.tensor(p + "attn_output.weight")),
+                    pack_gguf_rows([model.tensor(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")], numerics),
+                    pack_gguf_tensor(model.tensor(p + "attn_output.weight"), numerics),
                     model.dense(p + "ffn_norm.weight"),
-                    pack_gguf_tensor(gate_up),
-                    pack_gguf_tensor(model.tensor(p + "ffn_down.weight")),
+                    pack_gguf_rows([model.tensor(p + "ffn_gate.weight"), model.tensor(p + "ffn_up.weight")], numerics),
+                    pack_gguf_tensor(model.tensor(p + "ffn_down.weight"), numerics),
                 )
             )
         self.final_norm = model.dense("output_norm.weight")
         head = self.embed if cfg.tied_embeddings else model.tensor("output.weight")
-        self.lm_head = pack_gguf_tensor(head)
+        self.lm_head = pack_gguf_tensor(head, numerics)
 
     def _alloc_activations(self) -> None:
         cfg, n = self.config, self.cache.max_num_batched_tokens
@@ -140,6 +165,28 @@ class CpuRunner:
         self.positions = np.zeros(n, np.int32)
         self.slot_mapping = np.zeros(n, np.int32)
 
+    def _rows(self, k: int):
+        """A product's input buffers: QuantRows (int8) or the float kernels' decode scratch (exact)."""
+        n = self.cache.max_num_batched_tokens
+        if self.numerics == "int8":
+            r = QuantRows(k, n)
+            return r.xq, r.xd, r.xm, r.xs
+        return np.empty((numba.config.NUMBA_NUM_THREADS, k, 16), np.float32)
+
+    def _compile_layers(self) -> None:
+        """One compiled function per layer (engine/kernels/layer.py) and the arguments it keeps."""
+        cfg, path = self.config, host_path()
+        self._bufs = (self.x, self.delta, self.h, self.qkv, self.attn, self.gate_up, self.act,
+                      self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(cfg.intermediate_size))
+        kv_f16 = self.k_cache.dtype == np.uint16
+        vector = vector_shapes(cfg.head_dim, self.cache.block_size)
+        self._layer_calls = []
+        for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down) in enumerate(self.layers):
+            keys = tuple(layer_kernels.product_key(w) for w in (w_qkv, w_o, w_gu, w_down))
+            args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
+                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), self.k_cache[i], self.v_cache[i])
+            self._layer_calls.append((layer_kernels.layer(keys, kv_f16, vector, path), args))
+
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run the model over the ragged batch; returns logits [num_logits, vocab] (a view, valid until the next call)."""
         cfg, T = self.config, batch.num_tokens
@@ -147,26 +194,13 @@ class CpuRunner:
             batch.cu_q[: batch.num_reqs + 1], batch.seq_lens[: batch.num_reqs], batch.block_tables,
             self.cache.block_size, self.req_of_token, self.positions, self.slot_mapping,
         )
-        x, h, delta = self.x[:T], self.h[:T], self.delta[:T]
+        x, delta = self.x[:T], self.delta[:T]
         embed_rows(self.embed, batch.token_ids[:T], x)
-        scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
-        for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gate_up, w_down) in enumerate(self.layers):
-            if i == 0:
-                ops.rms_norm(x, attn_norm, cfg.rms_eps, h)
-            else:
-                ops.add_rms_norm(x, delta, attn_norm, cfg.rms_eps, h)
-            qkv = self.qkv[:T]
-            linear(h, w_qkv, qkv)
-            ops.rope_adjacent(qkv, self.positions[:T], self.rope_cos, self.rope_sin,
-                              cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim)
-            write_kv(qkv, self.k_cache[i], self.v_cache[i], self.slot_mapping[:T], cfg.q_size, cfg.kv_size)
-            paged_attention(qkv, self.k_cache[i], self.v_cache[i], batch.cu_q[: batch.num_reqs + 1], self.positions[:T],
-                            batch.block_tables, cfg.num_heads, scale, self.attn[:T])
-            linear(self.attn[:T], w_o, delta)
-            ops.add_rms_norm(x, delta, ffn_norm, cfg.rms_eps, h)
-            linear(h, w_gate_up, self.gate_up[:T])
-            ops.swiglu(self.gate_up[:T], self.act[:T])
-            linear(self.act[:T], w_down, delta)
+        meta = (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
+                self.rope_cos, self.rope_sin, np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim)
+        for i, (run_layer, weights) in enumerate(self._layer_calls):
+            run_layer(T, i == 0, self._bufs, weights, meta)
         ops.add_inplace(x, delta)
         L = batch.num_logits
         if self.capture_hidden:  # per-row norm: the logits rows get exactly the same values either way

@@ -41,7 +41,8 @@ def cache_config(args, model: GGUFModel) -> CacheConfig:
     if args.block_size < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
     max_model_len = min(args.max_model_len, cfg.context_length)
-    per_block = CpuRunner.kv_bytes_per_block(cfg, args.block_size)
+    per_block = CpuRunner.kv_bytes_per_block(cfg, args.block_size, getattr(args, "numerics", "int8"),
+                                             getattr(args, "kv_cache_dtype", "auto"))
     num_blocks = int(args.kv_cache_memory * 2**30) // per_block
     needed = -(-max_model_len // args.block_size) + 1
     if num_blocks < needed:
@@ -87,14 +88,15 @@ def make_runner(model: GGUFModel, cache: CacheConfig, args):
         from engine.gpu import make_gpu_runner
 
         return make_gpu_runner(model, cache, args)
-    return CpuRunner(model, cache, getattr(args, "threads", 0))
+    return CpuRunner(model, cache, getattr(args, "threads", 0), numerics=getattr(args, "numerics", "int8"),
+                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def bind_proposer(proposer, model: GGUFModel, runner, cache: CacheConfig) -> None:
     """Give a proposer the target (model-based ones load weights here); turn on hidden-state capture."""
     from proposers.base import TargetModel
 
-    proposer.bind_target(TargetModel(model, runner, cache))
+    proposer.bind_target(TargetModel(model, runner, cache, getattr(runner, "numerics", "exact")))
     if proposer.uses_hidden_states:
         if not hasattr(runner, "capture_hidden"):
             raise ValueError(f"speculative_config.method: {type(proposer).__name__} needs the target's hidden "

@@ -79,10 +79,12 @@ class DraftModelProposer(Proposer):
             check_same_vocabulary(draft, target.model)
         tc = target.cache
         cfg = draft.config if layers is None else dataclasses.replace(draft.config, num_layers=layers)
-        num_blocks = max(int(self.options.kv_cache_memory * 2**30) // CpuRunner.kv_bytes_per_block(cfg, tc.block_size), 2)
+        numerics = target.numerics  # the draft's products use the target's kernels
+        per_block = CpuRunner.kv_bytes_per_block(cfg, tc.block_size, numerics)
+        num_blocks = max(int(self.options.kv_cache_memory * 2**30) // per_block, 2)
         cache = CacheConfig(tc.block_size, num_blocks, tc.max_model_len, tc.max_num_seqs, tc.max_num_batched_tokens)
         shared = target.runner if layers is not None and isinstance(target.runner, CpuRunner) else None
-        self.runner = CpuRunner(draft, cache, num_layers=layers, weights_from=shared)
+        self.runner = CpuRunner(draft, cache, num_layers=layers, weights_from=shared, numerics=numerics)
         self.blocks = BlockManager(num_blocks, tc.block_size)
         self.batch = ForwardBatch(cache)
         self.identity_vocab = np.arange(self.vocab_size, dtype=np.int32)

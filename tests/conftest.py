@@ -29,6 +29,7 @@ def engine_args(**overrides) -> SimpleNamespace:
     args = dict(
         model="smollm2-135m", max_model_len=1024, kv_cache_memory=0.25, block_size=16, max_num_seqs=16,
         max_num_batched_tokens=256, threads=0, device="cpu", speculative_config=None, served_model_name=None,
+        numerics="int8", kv_cache_dtype="auto",
     )
     args.update(overrides)
     return SimpleNamespace(**args)
@@ -44,6 +45,20 @@ def engine(model_path):
 @pytest.fixture(scope="session")
 def runner(engine):
     return engine.runner
+
+
+@pytest.fixture(scope="session")
+def exact_engine(model_path):
+    """The same model under --numerics exact (strict float32 products, float32 KV cache)."""
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(engine_args(numerics="exact"))
+
+
+@pytest.fixture(scope="session", params=["int8", "exact"])
+def any_engine(request):
+    """Each numerics mode in turn (the default int8 engine, then the exact one)."""
+    return request.getfixturevalue("engine" if request.param == "int8" else "exact_engine")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""Paged append attention: the vectorised path (block_size, head_dim multiples of 16) computes the
-same bits as the general kernel, and both match a float64 softmax-attention reference."""
+"""Paged append attention: the general kernel and the vector kernel (block_size, head_dim multiples of
+16; float32 or fp16 cache) match a float64 softmax-attention reference, and a query's output from the
+vector kernel is the same bits alone, inside a ragged batch, or among its run's other tokens."""
 
 import numpy as np
 import pytest
@@ -31,7 +32,7 @@ def make_case(head_dim: int, block_size: int, runs: list[tuple[int, int]], seed:
 
 def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale):
     """float64 attention of each query over keys 0..position of its own request."""
-    head_dim, block_size = k_cache.shape[2], k_cache.shape[3]
+    head_dim = k_cache.shape[2]
     out = np.zeros((qkv.shape[0], NUM_HEADS * head_dim))
     for r in range(len(cu_q) - 1):
         keys = np.concatenate([k_cache[b].transpose(2, 0, 1) for b in block_tables[r]]).astype(np.float64)  # [T, kv, hd]
@@ -52,20 +53,54 @@ def run(kernel, case, scale):
     return out
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (32, 32), (128, 16)])
-def test_vectorised_path_gives_the_general_kernels_bits(head_dim, block_size):
-    case = make_case(head_dim, block_size, [(37, 1), (5, 4), (0, 9), (80, 3)])
-    want = run(A._ATTENTION[0], case, 0.125)
-    for kernel in (*A._ATTENTION_16, A._ATTENTION[1]):
-        np.testing.assert_array_equal(run(kernel, case, 0.125), want)
-    out = np.empty_like(want)
-    A.paged_attention(*case, NUM_HEADS, 0.125, out)
-    np.testing.assert_array_equal(out, want)
+def as_fp16(case):
+    """The same case with K/V in an fp16 cache (uint16 bits), and its float32 twin for the reference."""
+    qkv, k, v, *rest = case
+    k16, v16 = k.astype(np.float16), v.astype(np.float16)
+    return (qkv, k16.view(np.uint16), v16.view(np.uint16), *rest), (qkv, k16.astype(np.float32), v16.astype(np.float32), *rest)
 
 
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (40, 4), (64, 24)])
-def test_matches_a_float64_reference(head_dim, block_size):
+def test_general_kernel_matches_a_float64_reference(head_dim, block_size):
     case = make_case(head_dim, block_size, [(21, 1), (3, 5), (0, 7)], seed=1)
-    out = np.empty((case[0].shape[0], NUM_HEADS * head_dim), np.float32)
-    A.paged_attention(*case, NUM_HEADS, 1 / np.sqrt(head_dim), out)
-    np.testing.assert_allclose(out, reference(*case, 1 / np.sqrt(head_dim)), rtol=1e-4, atol=1e-5)
+    for kernel in A._ATTENTION:
+        np.testing.assert_allclose(run(kernel, case, 1 / np.sqrt(head_dim)), reference(*case, 1 / np.sqrt(head_dim)),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+@pytest.mark.parametrize("head_dim,block_size,heads", [(64, 16, (6, 2)), (32, 32, (4, 1)), (128, 16, (7, 1)), (256, 16, (4, 1))])
+def test_vector_kernel_matches_a_float64_reference(head_dim, block_size, heads, cache, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "NUM_HEADS", heads[0])
+    monkeypatch.setattr(__import__(__name__), "NUM_KV", heads[1])
+    case = make_case(head_dim, block_size, [(37, 1), (5, 4), (0, 9), (80, 3), (16, 16)])
+    case, twin = as_fp16(case) if cache == "float16" else (case, case)
+    scale = 1 / np.sqrt(head_dim)
+    want = reference(*twin, scale)
+    for kernel in A._ATTENTION_VEC:
+        np.testing.assert_allclose(run(kernel, case, scale), want, rtol=1e-4, atol=2e-5)
+
+
+def one_query(case, t):
+    """Token t's query as a request of its own (its own block table and position)."""
+    qkv, k, v, cu_q, positions, tables = case
+    r = int(np.searchsorted(cu_q, t, side="right") - 1)
+    return (qkv[t : t + 1], k, v, np.array([0, 1], np.int32), positions[t : t + 1], tables[r : r + 1])
+
+
+@pytest.mark.parametrize("cache", ["float32", "float16"])
+def test_vector_kernel_query_is_the_same_bits_alone_or_batched(cache):
+    """Each query run alone (one token, one request) equals the same query inside a ragged batch,
+    where runs of 2-9 tokens share K/V loads in tiles of consecutive tokens or of a group's heads."""
+    case = make_case(64, 16, [(37, 1), (5, 4), (0, 9), (80, 3), (16, 2), (3, 7)], seed=2)
+    case = as_fp16(case)[0] if cache == "float16" else case
+    for kernel in A._ATTENTION_VEC:
+        batched = run(kernel, case, 0.125)
+        alone = np.concatenate([run(kernel, one_query(case, t), 0.125) for t in range(case[0].shape[0])])
+        np.testing.assert_array_equal(batched, alone)
+
+
+def test_fp16_cache_needs_vector_shapes():
+    case, _ = as_fp16(make_case(40, 4, [(3, 2)]))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        A.paged_attention(*case, NUM_HEADS, 0.125, np.empty((2, NUM_HEADS * 40), np.float32))

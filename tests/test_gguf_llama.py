@@ -118,7 +118,7 @@ def test_random_llama_gguf_matches_float64_reference(tmp_path):
     assert (model.config.num_layers, model.config.num_kv_heads, model.config.head_dim) == (2, 2, 16)
     assert model.config.tied_embeddings
     runner = CpuRunner(model, CacheConfig(block_size=4, num_blocks=32, max_model_len=64, max_num_seqs=4,
-                                          max_num_batched_tokens=64))
+                                          max_num_batched_tokens=64), numerics="exact")  # float32 products
     ids = rng.integers(0, HP["vocab"], 21).astype(np.int32)
     fb = ForwardBatch(runner.cache)
     fb.add(ids, 0, list(range(6)), len(ids))

@@ -1,4 +1,5 @@
-"""A request's logits are bit-identical however its tokens are batched (real SmolLM2 model).
+"""A request's logits are bit-identical however its tokens are batched (real SmolLM2 model), in
+both numerics modes (int8 integer products with an fp16 KV cache; exact float32).
 
 (a) one token per step vs T tokens per step, (b) alone vs inside a ragged batch with
 other requests, (c) however its prompt is split into prefill chunks. Speculative
@@ -82,25 +83,25 @@ def split(total: int, sizes) -> list[int]:
     return out
 
 
-def test_one_token_per_step_equals_t_tokens_per_step(engine, tokens):
+def test_one_token_per_step_equals_t_tokens_per_step(any_engine, tokens):
     prompt, tail = 48, len(tokens) - 48
-    reference = feed(engine, tokens, [prompt] + [1] * tail)
+    reference = feed(any_engine, tokens, [prompt] + [1] * tail)
     for t in (2, 3, 4, 8, 16):
-        got = feed(engine, tokens, [prompt] + split(tail, [t]))
+        got = feed(any_engine, tokens, [prompt] + split(tail, [t]))
         assert np.array_equal(got, reference), f"T={t} changed the logits"
 
 
-def test_alone_equals_inside_a_ragged_batch(engine, runner, tokens):
+def test_alone_equals_inside_a_ragged_batch(any_engine, tokens):
     rng = np.random.default_rng(7)
-    others = {f"other{i}": rng.integers(0, runner.config.vocab_size, 300).astype(np.int32) for i in range(3)}
+    others = {f"other{i}": rng.integers(0, any_engine.runner.config.vocab_size, 300).astype(np.int32) for i in range(3)}
     chunks = [48] + split(len(tokens) - 48, [1, 4, 2, 8])
-    alone = feed(engine, tokens, chunks)
-    batched = feed(engine, tokens, chunks, others)
+    alone = feed(any_engine, tokens, chunks)
+    batched = feed(any_engine, tokens, chunks, others)
     assert np.array_equal(alone, batched)
 
 
 @pytest.mark.parametrize("sizes", [[7], [16, 3], [1, 30, 5], [64]])
-def test_prefill_chunking_does_not_change_logits(engine, tokens, sizes):
-    whole = feed(engine, tokens, [len(tokens)])
-    chunked = feed(engine, tokens, split(len(tokens), sizes))
+def test_prefill_chunking_does_not_change_logits(any_engine, tokens, sizes):
+    whole = feed(any_engine, tokens, [len(tokens)])
+    chunked = feed(any_engine, tokens, split(len(tokens), sizes))
     assert np.array_equal(whole, chunked)

@@ -17,14 +17,15 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from engine.kernels.attention_vec import paged_attention_vec
 from engine.kernels.ops import _twice
+from engine.kernels.simd import f16_bits
 
 PARALLEL_MIN_WORK = 2048  # query-heads x keys below which one thread beats waking the pool
-U0, U1, U16 = np.uint64(0), np.uint64(1), np.uint64(16)
 
 
 def _write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
-    """Scatter the new K/V rows into the cache. qkv: [num_tokens, q_size + 2 * kv_size]."""
+    """Scatter the new K/V rows into a float32 cache. qkv: [num_tokens, q_size + 2 * kv_size]."""
     num_kv, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     for t in nb.prange(qkv.shape[0]):
         slot = slot_mapping[t]
@@ -34,6 +35,19 @@ def _write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
             for d in range(head_dim):
                 k_cache[b, h, d, o] = qkv[t, q_size + h * head_dim + d]
                 v_cache[b, o, h, d] = qkv[t, q_size + kv_size + h * head_dim + d]
+
+
+def _write_kv_f16(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
+    """Scatter the new K/V rows into an fp16 cache (uint16 bits, nearest, ties to even)."""
+    num_kv, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    for t in nb.prange(qkv.shape[0]):
+        slot = slot_mapping[t]
+        b = slot // block_size
+        o = slot % block_size
+        for h in range(num_kv):
+            for d in range(head_dim):
+                k_cache[b, h, d, o] = f16_bits(qkv[t, q_size + h * head_dim + d])
+                v_cache[b, o, h, d] = f16_bits(qkv[t, q_size + kv_size + h * head_dim + d])
 
 
 @nb.njit(cache=True, inline="always")
@@ -101,59 +115,31 @@ def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_h
                 out[t0 + qi, h * head_dim + d] = acc[qi, d] * inv[qi]
 
 
-def _paged_attention_16(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
-    """Same arithmetic, same bits as _paged_attention, for block_size and head_dim multiples of 16:
-    16 scores (or 16 output dims) are summed side by side in one register-resident lane, with
-    constant trip counts and unsigned indices so LLVM vectorises them (about 1.8x faster)."""
-    hd, bs = np.uint64(k_cache.shape[2]), np.uint64(k_cache.shape[3])
-    group = num_heads // k_cache.shape[1]
-    for item in nb.prange((cu_q.shape[0] - 1) * num_heads):
-        r, h = item // num_heads, item % num_heads
-        kvh, q0 = h // group, np.uint64(h) * hd
-        t0 = cu_q[r]
-        num_q = cu_q[r + 1] - t0
-        num_blocks = (positions[t0 + num_q - 1] + k_cache.shape[3]) // k_cache.shape[3]
-        lane = np.empty((1, 16), dtype=np.float32)
-        scores = np.empty((num_q, num_blocks * k_cache.shape[3]), dtype=np.float32)  # [queries, keys]
-        for i in range(num_blocks):  # scores, one K block at a time
-            b = block_tables[r, i]
-            for qi in range(num_q):
-                for c in range(U0, bs, U16):
-                    lane[:] = 0
-                    for d in range(hd):
-                        qd = qkv[np.uint64(t0 + qi), q0 + d]
-                        for o in range(U16):
-                            lane[0, o] += qd * k_cache[b, kvh, d, c + o]
-                    for o in range(U16):
-                        scores[qi, np.uint64(i) * bs + c + o] = lane[0, o]
-        inv = _softmax_rows(scores, positions, t0, num_q, scale)
-        for qi in range(num_q):  # weighted V sum, keys in order, 16 output dims at a time
-            n = np.uint64(positions[t0 + qi] + 1)
-            for c in range(U0, hd, U16):
-                lane[:] = 0
-                for i in range((n + bs - U1) // bs):
-                    b = block_tables[r, i]
-                    for o in range(min(bs, n - i * bs)):
-                        p = scores[qi, i * bs + o]
-                        for e in range(U16):
-                            lane[0, e] += p * v_cache[b, o, kvh, c + e]
-                for e in range(U16):
-                    out[np.uint64(t0 + qi), q0 + c + e] = lane[0, e] * inv[qi]
-
-
 _WRITE_KV = _twice(_write_kv)
+_WRITE_KV_F16 = _twice(_write_kv_f16)
 _ATTENTION = _twice(_paged_attention)
-_ATTENTION_16 = _twice(_paged_attention_16)
+_ATTENTION_VEC = _twice(paged_attention_vec)
+
+
+def vector_shapes(head_dim: int, block_size: int) -> bool:
+    """Whether the vector kernel (and an fp16 cache) serves these shapes."""
+    return head_dim % 16 == 0 and block_size % 16 == 0
 
 
 def write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
-    fn = _WRITE_KV[1] if qkv.shape[0] >= 64 else _WRITE_KV[0]
+    pair = _WRITE_KV_F16 if k_cache.dtype == np.uint16 else _WRITE_KV
+    fn = pair[1] if qkv.shape[0] >= 64 else pair[0]
     fn(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size)
 
 
 def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
     num_tokens = qkv.shape[0]
     work = num_tokens * num_heads * (int(positions.max()) + 1) if num_tokens else 0
-    pair = _ATTENTION_16 if k_cache.shape[2] % 16 == 0 and k_cache.shape[3] % 16 == 0 else _ATTENTION
+    if vector_shapes(k_cache.shape[2], k_cache.shape[3]):
+        pair = _ATTENTION_VEC
+    elif k_cache.dtype == np.uint16:
+        raise ValueError("an fp16 KV cache needs head_dim and block_size to be multiples of 16")
+    else:
+        pair = _ATTENTION
     fn = pair[1] if work >= PARALLEL_MIN_WORK else pair[0]
     fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), out)

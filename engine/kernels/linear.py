@@ -1,10 +1,13 @@
 """Weight products y = x @ W.T for small token counts, bit-invariant across T and batch rows.
 
-Weights are packed once at load time into strips of 16 output rows stored k-major (see
-linear_jit). Q4_1 and Q8_0 tensors keep their exact quants and scales; every other GGUF type is
-dequantized to float32. Row t of `linear`'s output depends only on x[t] and W, never on T, on
-which kernel the token count selects, or on the other rows of the batch: speculative
-verification of T draft tokens therefore reproduces plain T = 1 decoding bit for bit.
+Two numerics, chosen when a weight is packed:
+  int8   GGUF integer formats (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks and multiply
+         int8-quantized activations with exact integer sums (int_linear); other types as exact.
+  exact  strict float32: strips of 16 output rows stored k-major (see linear_jit); Q4_1 and Q8_0
+         keep their exact quants and scales, every other type is dequantized to float32.
+In both, row t of `linear`'s output depends only on x[t] and W, never on T, on which kernel the
+token count selects, or on the other rows of the batch: speculative verification of T draft
+tokens therefore reproduces plain T = 1 decoding bit for bit.
 """
 
 import threading
@@ -14,8 +17,11 @@ import gguf
 import numba
 import numpy as np
 
-from engine.kernels import linear_jit, linear_quant
+from engine.kernels import int_linear, linear_jit, linear_quant
+from engine.kernels.int_pack import IntWeight, pack_int
+from engine.kernels.weights import concat_gguf_rows
 
+NUMERICS = ("int8", "exact")
 STRIP = 16  # output rows per strip
 QK = 32  # weights per GGUF Q4_1 / Q8_0 block
 # From these token counts the 4-token tiles beat the small kernels: for f32 from 3 (pairs re-read
@@ -111,8 +117,33 @@ def _pack_q8_0(blocks: np.ndarray, n: int, k: int) -> PackedWeight:
     return _packed(n, k, "q8_0", (_to_strips(qs), _block_scales(blocks, 0)))
 
 
-def pack_gguf_tensor(t) -> PackedWeight:
+@dataclass(frozen=True, eq=False)
+class WeightParts:
+    """Matrices stacked by output rows (q|k|v, gate|up) whose integer formats differ: parts[i] fills
+    the output columns from offsets[i]."""
+
+    n: int
+    k: int
+    parts: tuple
+    offsets: tuple
+    nbytes: int
+
+
+Weight = PackedWeight | IntWeight | WeightParts
+
+
+def _check_numerics(numerics: str) -> None:
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+
+
+def pack_gguf_tensor(t, numerics: str = "exact") -> Weight:
     """Pack a 2-D gguf.ReaderTensor (ggml shape [k, n]); Q4_1 and Q8_0 stay exact."""
+    _check_numerics(numerics)
+    if numerics == "int8":
+        packed = pack_int(t)
+        if packed is not None:
+            return packed
     name = getattr(t, "name", "tensor")
     shape = [int(v) for v in t.shape]
     if len(shape) != 2 or min(shape) < 1:
@@ -135,6 +166,22 @@ def pack_gguf_tensor(t) -> PackedWeight:
     return pack_f32(np.asarray(w, np.float32).reshape(n, k))
 
 
+def pack_gguf_rows(tensors, numerics: str = "exact") -> Weight:
+    """Pack matrices that share an input as one product (q|k|v, gate|up).
+
+    One GGUF type: their blocks are concatenated. Several integer types under int8: one part per
+    tensor. Otherwise (exact numerics, float types mixed in) one float32 matrix.
+    """
+    _check_numerics(numerics)
+    types = {t.tensor_type for t in tensors}
+    if numerics == "int8" and len(types) > 1:
+        parts = [pack_int(t) for t in tensors]
+        if all(p is not None for p in parts):
+            offsets = tuple(int(v) for v in np.cumsum([0] + [p.n for p in parts[:-1]]))
+            return WeightParts(sum(p.n for p in parts), parts[0].k, tuple(parts), offsets, sum(p.nbytes for p in parts))
+    return pack_gguf_tensor(concat_gguf_rows(tensors), numerics)
+
+
 def _scratch_for(k: int) -> np.ndarray:
     """This Python thread's decode scratch [max threads, k, 16] float32."""
     cached = getattr(_scratch, "by_k", None)
@@ -146,10 +193,10 @@ def _scratch_for(k: int) -> np.ndarray:
     return buf
 
 
-def _check(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> None:
+def _check(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
     """Cheap on the hot path (one call per weight product); names the bad field otherwise."""
-    if not isinstance(w, PackedWeight):
-        raise ValueError(f"w must be a PackedWeight, got {type(w).__name__}")
+    if not isinstance(w, (PackedWeight, IntWeight, WeightParts)):
+        raise ValueError(f"w must be a packed weight, got {type(w).__name__}")
     for field, a, cols in (("x", x, w.k), ("out", out, w.n)):
         if not isinstance(a, np.ndarray) or a.dtype != _F32 or a.ndim != 2:
             raise ValueError(f"{field} must be a 2-D float32 array")
@@ -161,12 +208,16 @@ def _check(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> None:
         raise ValueError("out must not overlap x")
 
 
-def linear(x: np.ndarray, w: PackedWeight, out: np.ndarray) -> None:
-    """out [T, n] = x [T, k] @ W.T; every element one sequential float32 sum over k."""
+def linear(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
+    """out [T, n] = x [T, k] @ W.T; each row of out depends on its row of x alone."""
     _check(x, w, out)
     if x.shape[0] == 0:
         return
-    if x.shape[0] < TILE_MIN_TOKENS[w.kind]:
+    if not isinstance(w, PackedWeight):
+        xq = int_linear.quantize(x)
+        for part, col0 in zip(w.parts, w.offsets) if isinstance(w, WeightParts) else ((w, 0),):
+            int_linear.matmul(xq, part, out, col0)
+    elif x.shape[0] < TILE_MIN_TOKENS[w.kind]:
         _SMALL[w.kind](x, *w.arrays, out)
     elif w.kind == "f32":
         linear_jit.f32_linear_tiles(x, w.arrays[0], out)

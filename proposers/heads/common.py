@@ -101,7 +101,8 @@ class HeadProposer(Proposer):
         self.draft_vocab = self.head.tensors["draft_vocab"]  # [V_d]
         self.embed = target.model.tensor("token_embd.weight")
         head_tensor = self.embed if cfg.tied_embeddings else target.model.tensor("output.weight")
-        self.lm_head = pack_gguf_tensor(gather_rows(head_tensor, self.draft_vocab))  # target's rows, own format
+        self.numerics = target.numerics  # the head's products use the target's kernels
+        self.lm_head = pack_gguf_tensor(gather_rows(head_tensor, self.draft_vocab), self.numerics)  # own format
         self.hidden_size = cfg.hidden_size
         self.load_modules(self.head)
 

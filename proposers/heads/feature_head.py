@@ -18,9 +18,9 @@ from proposers.heads.layer import DecoderLayer, KVStore, matmul, pack_matrix, rm
 
 
 class FeatureModule:
-    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, normed_inputs: bool):
-        self.fc = pack_matrix(w["fc"], fmt)  # [H, 2H]
-        self.layer = DecoderLayer(w, cfg, fmt)
+    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, normed_inputs: bool, numerics: str = "exact"):
+        self.fc = pack_matrix(w["fc"], fmt, numerics)  # [H, 2H]
+        self.layer = DecoderLayer(w, cfg, fmt, numerics)
         self.eps = cfg["rms_eps"]
         self.norms = (w["emb_norm"], w["feat_norm"], w["out_norm"]) if normed_inputs else None
 
@@ -55,7 +55,8 @@ class FeatureHeadProposer(HeadProposer):
 
     def load_modules(self, head: HeadFile) -> None:
         cfg = head.config
-        self.modules = [FeatureModule(head.module(i), cfg, self.options.weights, self.normed_inputs)
+        self.modules = [FeatureModule(head.module(i), cfg, self.options.weights, self.normed_inputs,
+                                      self.numerics)
                         for i in range(cfg["num_modules"])]
         self.module_states: dict[str, list[ModuleState]] = {}
 

@@ -2,7 +2,8 @@
 
 Weight products go through the engine's strip kernels (`engine.kernels.linear`), so a row's result
 never depends on which other rows share the batch: drafts of a request are the same alone or batched.
-Head matrices are packed as Q8_0 (default; a quarter of the bytes of float32) or float32.
+Head matrices are packed as Q8_0 (default; a quarter of the bytes of float32) or float32; Q8_0 ones
+use the target's numerics (integer products under the default "int8").
 """
 
 from __future__ import annotations
@@ -10,18 +11,21 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from engine.kernels.linear import PackedWeight, linear, pack_f32, pack_gguf_tensor
+from engine.kernels.linear import Weight, linear, pack_f32, pack_gguf_tensor
 from engine.kernels.weights import RawTensor
 
 WEIGHT_FORMATS = ("q8_0", "f32")
 
 
-def pack_matrix(w: np.ndarray, fmt: str) -> PackedWeight:
-    """w [out, in] float32 -> packed for `linear`; Q8_0 needs in % 32 == 0 (else float32)."""
+def pack_matrix(w: np.ndarray, fmt: str, numerics: str = "exact") -> Weight:
+    """w [out, in] float32 -> packed for `linear`; Q8_0 needs in % 32 == 0 (else float32).
+
+    Q8_0 matrices use the target's numerics (integer products under "int8"); float32 stays float.
+    """
     w = np.ascontiguousarray(w, np.float32)
     if fmt == "q8_0" and w.shape[1] % 32 == 0:
         q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-        return pack_gguf_tensor(RawTensor("head", gguf.GGMLQuantizationType.Q8_0, (w.shape[1], w.shape[0]), q))
+        return pack_gguf_tensor(RawTensor("head", gguf.GGMLQuantizationType.Q8_0, (w.shape[1], w.shape[0]), q), numerics)
     return pack_f32(w)
 
 
@@ -33,7 +37,7 @@ def gather_rows(t, rows: np.ndarray) -> RawTensor:
                      np.ascontiguousarray(data.reshape(int(t.shape[1]), -1)[rows]))
 
 
-def matmul(x: np.ndarray, w: PackedWeight) -> np.ndarray:
+def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     """x [n, in] -> [n, out]."""
     out = np.empty((x.shape[0], w.n), np.float32)
     linear(np.ascontiguousarray(x, np.float32), w, out)
@@ -69,14 +73,14 @@ class KVStore:
 class DecoderLayer:
     """One Llama decoder layer with rotate-half RoPE; attention reads a request's KVStore."""
 
-    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str):
+    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, numerics: str = "exact"):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
         self.eps = cfg["rms_eps"]
         self.attn_norm, self.ffn_norm = w["attn_norm"], w["ffn_norm"]
-        self.qkv = pack_matrix(np.concatenate([w["q"], w["k"], w["v"]]), fmt)
-        self.o = pack_matrix(w["o"], fmt)
-        self.gate_up = pack_matrix(np.concatenate([w["gate"], w["up"]]), fmt)
-        self.down = pack_matrix(w["down"], fmt)
+        self.qkv = pack_matrix(np.concatenate([w["q"], w["k"], w["v"]]), fmt, numerics)
+        self.o = pack_matrix(w["o"], fmt, numerics)
+        self.gate_up = pack_matrix(np.concatenate([w["gate"], w["up"]]), fmt, numerics)
+        self.down = pack_matrix(w["down"], fmt, numerics)
         hd = self.head_dim
         self.inv_freq = (1.0 / cfg["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
 

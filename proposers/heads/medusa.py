@@ -17,7 +17,7 @@ class MedusaProposer(HeadProposer):
     head_kind = "medusa"
 
     def load_modules(self, head: HeadFile) -> None:
-        self.blocks = [(pack_matrix(head.module(i)["w"], self.options.weights), head.module(i)["w.bias"])
+        self.blocks = [(pack_matrix(head.module(i)["w"], self.options.weights, self.numerics), head.module(i)["w.bias"])
                        for i in range(head.config["num_modules"])]
 
     def draft(self, asks):

@@ -1,0 +1,62 @@
+"""One Numba on-disk cache per version of the kernel sources.
+
+Numba checks a cached function against its own file's timestamp only. A kernel composed from
+functions in other files (a decoder layer calling the integer tiles, a specialised GEMM calling
+the SIMD intrinsics) would load stale machine code after any of those files changed, and stale
+code built against another buffer layout crashes. So the cache lives in a folder named after a
+hash of every source file that holds jitted code; a change anywhere starts a fresh cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+_PACKAGES = ("engine", "proposers")
+_KEEP = 3  # cache versions kept side by side (several checkouts may share one home)
+
+
+def _kernel_sources() -> list[Path]:
+    found = []
+    for package in _PACKAGES:
+        for path in sorted((_ROOT / package).rglob("*.py")):
+            if "njit" in path.read_text(encoding="utf-8", errors="ignore"):
+                found.append(path)
+    return found
+
+
+def sources_digest() -> str:
+    digest = hashlib.sha256()
+    for path in _kernel_sources():
+        digest.update(path.relative_to(_ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _prune(parent: Path, current: Path) -> None:
+    versions = sorted((p for p in parent.iterdir() if p.is_dir() and p != current),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in versions[_KEEP - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def use_versioned_numba_cache() -> None:
+    """Point NUMBA_CACHE_DIR at this source version's folder (a user's own setting wins)."""
+    if "NUMBA_CACHE_DIR" in os.environ:
+        return
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "speculant" / "numba"
+    current = base / sources_digest()
+    try:
+        current.mkdir(parents=True, exist_ok=True)
+        os.utime(current)
+        _prune(base, current)
+    except OSError:
+        return  # read-only home: Numba falls back to its own default
+    os.environ["NUMBA_CACHE_DIR"] = str(current)
+    numba = sys.modules.get("numba")
+    if numba is not None:  # imported first: its config already read the environment
+        numba.config.CACHE_DIR = str(current)

@@ -1,0 +1,169 @@
+"""Append attention with vector kernels, for head_dim and block_size multiples of 16.
+
+K/V in float32 or fp16 (uint16 bits, converted exactly on load). Work: a chunk of up to 4
+consecutive tokens of one request x one KV head. A tile is up to 4 query rows sharing every K and
+V load: the heads of the KV group for a single token, or one head of the chunk's tokens. Row r
+attends to keys0 + r * inc keys (inc = 0 for heads, 1 for consecutive tokens).
+
+Per query, in a fixed order whatever the tile: each score is a sequential float32 sum over
+head_dim; softmax takes exp(score * scale - max) (simd.f32_exp) and sums them in 16-lane partial
+sums over its keys, folded by a fixed tree; each output element is a sequential sum over keys
+in order, times 1 / sum. A tile's rows with more keys continue their sums alone over the extra
+keys. So a query's output depends only on its q and its request's keys: not on the batch, the
+tile, or how its prompt was chunked.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from engine.kernels.simd import (
+    f32_add,
+    f32_exp,
+    f32_hmax,
+    f32_hsum,
+    f32_keep,
+    f32_mul,
+    f32_splat,
+    f32_sub,
+    f32_zero,
+    load_rows,
+    row_f32,
+    store_rows,
+    tok_f32,
+)
+
+TOKENS_PER_ITEM = 4
+
+
+@nb.njit(cache=True)
+def _scores(qkv, k_cache, table, q0, qstride, kvh, num_keys, rows, scores):
+    """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for keys < num_keys,
+    16 keys per vector; up to 2 rows take two chunks of 16 at a time, so that several sums are in flight."""
+    nb.literally(rows)
+    num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    ld = scores.shape[1]
+    chunks = (num_keys + 15) // 16
+    paired = rows <= 2  # 4 rows already keep 8 sums in flight; more would spill registers
+    for c in range(0, chunks - 1 if paired else 0, 2):
+        a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
+        b = (table[16 * (c + 1) // bs] * num_kv + kvh) * hd * bs + 16 * (c + 1) % bs
+        sa = f32_zero(rows)
+        sb = f32_zero(rows)
+        for d in range(hd):
+            q = tok_f32(qkv, q0 + d, qstride, rows)
+            sa = f32_add(sa, f32_mul(q, row_f32(k_cache, a + d * bs)))
+            sb = f32_add(sb, f32_mul(q, row_f32(k_cache, b + d * bs)))
+        store_rows(scores, 16 * c, ld, sa, 16)
+        store_rows(scores, 16 * c + 16, ld, sb, 16)
+    for c in range(chunks - chunks % 2 if paired else 0, chunks):
+        a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
+        sa = f32_zero(rows)
+        for d in range(hd):
+            sa = f32_add(sa, f32_mul(tok_f32(qkv, q0 + d, qstride, rows), row_f32(k_cache, a + d * bs)))
+        store_rows(scores, 16 * c, ld, sa, 16)
+
+
+@nb.njit(cache=True)
+def _softmax(scores, r, num_keys, scale):
+    """scores[r, :num_keys] = exp(s * scale - max) in place; returns 1 / their sum."""
+    top = np.float32(-np.inf)
+    for c in range(0, num_keys, 16):
+        top = max(top, f32_hmax(f32_keep(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), num_keys - c, -np.inf)))
+    total = f32_zero(1)
+    for c in range(0, num_keys, 16):
+        s = f32_sub(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), f32_splat(top, 1))
+        e = f32_keep(f32_exp(s), num_keys - c, 0.0)
+        store_rows(scores[r], c, 0, e, 16)
+        total = f32_add(total, e)
+    return np.float32(1.0) / f32_hsum(total)
+
+
+@nb.njit(cache=True)
+def _values(v_cache, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume):
+    """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key]);
+    resume=False starts the sums from zero. Up to 2 rows take two chunks of 16 dims at a time."""
+    nb.literally(rows)
+    bs, num_kv, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    ld = scores.shape[1]
+    step = 32 if hd % 32 == 0 and rows <= 2 else 16
+    for c in range(0, hd, step):
+        acc = load_rows(out, o0 + c, ostride, rows) if resume else f32_zero(rows)
+        acc2 = load_rows(out, o0 + c + 16, ostride, rows) if resume and step == 32 else f32_zero(rows)
+        for i in range(k0 // bs, (k1 + bs - 1) // bs):
+            base = (table[i] * bs * num_kv + kvh) * hd + c
+            for j in range(max(k0, i * bs), min(k1, (i + 1) * bs)):
+                v = base + (j - i * bs) * num_kv * hd
+                p = tok_f32(scores, s0 + j, ld, rows)
+                acc = f32_add(acc, f32_mul(p, row_f32(v_cache, v)))
+                if step == 32:
+                    acc2 = f32_add(acc2, f32_mul(p, row_f32(v_cache, v + 16)))
+        store_rows(out, o0 + c, ostride, acc, 16)
+        if step == 32:
+            store_rows(out, o0 + c + 16, ostride, acc2, 16)
+
+
+@nb.njit(cache=True)
+def _tile(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, scale, out, scores, inv, rows):
+    """One tile of `rows` (literal) query rows; row r sees keys0 + r * inc keys."""
+    nb.literally(rows)
+    hd = k_cache.shape[2]
+    _scores(qkv, k_cache, table, q0, qstride, kvh, keys0 + (rows - 1) * inc, rows, scores)
+    for r in range(rows):
+        inv[r] = _softmax(scores, r, keys0 + r * inc, scale)
+    _values(v_cache, table, kvh, 0, keys0, scores, 0, out, o0, ostride, rows, False)
+    for r in range(1, rows):  # the later tokens' extra keys, each row alone
+        if inc:
+            _values(v_cache, table, kvh, keys0, keys0 + r * inc, scores, r * scores.shape[1], out,
+                    o0 + r * ostride, ostride, 1, True)
+    for r in range(rows):
+        for c in range(0, hd, 16):
+            store_rows(out, o0 + r * ostride + c, 0, f32_mul(load_rows(out, o0 + r * ostride + c, 0, 1), f32_splat(inv[r], 1)), 16)
+
+
+@nb.njit(cache=True)
+def _tiles(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, count, scale, out, scores, inv):
+    """`count` rows in tiles of 4, 2, 1."""
+    r = 0
+    while count - r >= 4:
+        _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
+              keys0 + r * inc, inc, scale, out, scores, inv, 4)
+        r += 4
+    if count - r >= 2:
+        _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
+              keys0 + r * inc, inc, scale, out, scores, inv, 2)
+        r += 2
+    if count - r == 1:
+        _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
+              keys0 + r * inc, inc, scale, out, scores, inv, 1)
+
+
+def paged_attention_vec(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
+    """qkv [T, (heads + 2 kv) * hd], out [T, heads * hd]; see the module docstring."""
+    num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group = num_heads // num_kv
+    qs, os_ = qkv.shape[1], out.shape[1]
+    num_reqs = cu_q.shape[0] - 1
+    firsts = np.empty(qkv.shape[0], np.int32)  # first token of each chunk
+    owners = np.empty(qkv.shape[0], np.int32)  # its request
+    num_chunks = 0
+    for r in range(num_reqs):
+        for t in range(cu_q[r], cu_q[r + 1], TOKENS_PER_ITEM):
+            firsts[num_chunks], owners[num_chunks] = t, r
+            num_chunks += 1
+    for item in nb.prange(num_chunks * num_kv):
+        chunk, kvh = item // num_kv, item % num_kv
+        t0, r = firsts[chunk], owners[chunk]
+        num_tokens = min(TOKENS_PER_ITEM, cu_q[r + 1] - t0)
+        keys0 = positions[t0] + 1
+        scores = np.empty((4, (keys0 + num_tokens - 1 + bs - 1) // bs * bs), np.float32)  # [tile rows, keys]
+        inv = np.empty(4, np.float32)
+        table = block_tables[r]
+        if num_tokens == 1:  # the group's heads share the loads
+            _tiles(qkv, k_cache, v_cache, table, t0 * qs + kvh * group * hd, hd, t0 * os_ + kvh * group * hd, hd,
+                   kvh, keys0, 0, group, scale, out, scores, inv)
+        else:  # per head, the chunk's tokens share the loads
+            for h in range(kvh * group, (kvh + 1) * group):
+                _tiles(qkv, k_cache, v_cache, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
+                       kvh, keys0, 1, num_tokens, scale, out, scores, inv)

@@ -1,0 +1,142 @@
+"""Integer tiles: 16 weight rows (one strip) x TT tokens, one function per GGUF format.
+
+Plain Python functions, compiled per ISA path by `simd.specialize` (the ops below are bound per
+path). Arguments: w = the IntWeight's arrays (int_pack), x = QuantRows arrays (xq [T, k] int8,
+xd [T, nb] scale, xm [T, nb] = xd * sum of the block's q, xs [T, 2 nb] per-16 sums of q), s = the
+strip, t0 = the first token, tt = the literal token count. Returns float32 [tt x 16 lanes].
+
+The integer sum of a block (isum) is exact. The float combine, per row, token and block in k order,
+with every product and sum rounded to float32 (nothing fused) and a fixed operation order:
+  q4_0, q5_0    acc = acc + (d * xd) * float(isum - 8|16 * sum(xq))
+  q4_1, q5_1    acc = (acc + (d * xd) * float(isum)) + m * xm
+  q8_0          acc = acc + (d * xd) * float(isum)
+  q4_k, q5_k    acc = (acc + ((d * sc) * xd) * float(isum)) - (dmin * mn) * xm
+  q6_k          per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h - 32 * sum_h(xq))
+so a row's result depends on nothing but its own activations: not on T, the tile, or the path.
+"""
+
+from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8 are bound per path by specialize)
+    bits_at,
+    bits_put,
+    f32_add,
+    f32_from_i32,
+    f32_mul,
+    f32_sub,
+    f32_zero,
+    i32_add,
+    i32_mul,
+    i32_splat,
+    i32_sub,
+    i32_zero,
+    row_f16,
+    row_i8,
+    row_u8,
+    tok_f32,
+    tok_i32,
+    wbytes,
+    xbcast,
+)
+
+
+def _nibble_sum(qs, qh, xq, wi, hi, xi, k, tt):
+    """isum of one block's low (hi=0) or high (hi=1) 16 weights of 5 bits (4 accumulations per flush)."""
+    a = acc_zero(tt)  # noqa: F821
+    for g in range(4):
+        v = bits_put(bits_at(wbytes(qs, wi + 64 * g), 4 * hi, 15), bits_at(wbytes(qh, wi // 4), 4 * hi + g, 1), 4)
+        a = acc_add(a, v, xbcast(xq, xi + 16 * hi + 4 * g, k, tt))  # noqa: F821
+    return acc_i32(a)  # noqa: F821
+
+
+def _block_isum(qs, qh, xq, wi, xi, k, tt):
+    """Exact isum of a block of 4-bit (qh of 1 byte: one pass, 8 accumulations) or 5-bit weights."""
+    if qh.shape[0] > 1:
+        return i32_add(_nibble_sum(qs, qh, xq, wi, 0, xi, k, tt), _nibble_sum(qs, qh, xq, wi, 1, xi, k, tt))
+    a = acc_zero(tt)  # noqa: F821
+    for g in range(4):
+        v = wbytes(qs, wi + 64 * g)
+        a = acc_add(a, bits_at(v, 0, 15), xbcast(xq, xi + 4 * g, k, tt))  # noqa: F821
+        a = acc_add(a, bits_at(v, 4, 15), xbcast(xq, xi + 16 + 4 * g, k, tt))  # noqa: F821
+    return acc_i32(a)  # noqa: F821
+
+
+def legacy_tile(w, x, s, t0, tt):
+    """q4_0 / q5_0 (w = (qs, qh, d, offset)) and q4_1 / q5_1 (w = (qs, qh, d, m)); qh has 1 byte without bit 5."""
+    qs, qh, d, m = w
+    xq, xd, xm, xs = x
+    k = xq.shape[1]
+    nb = k // 32
+    offset = m.shape[0] == 1  # q4_0 / q5_0: m holds the offset
+    f = f32_zero(tt)
+    for b in range(nb):
+        isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)
+        li, xi = (s * nb + b) * 16, t0 * nb + b
+        if offset:
+            sums = i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt))
+            isum = i32_sub(isum, i32_mul(sums, i32_splat(m[0], tt)))
+        f = f32_add(f, f32_mul(f32_mul(row_f16(d, li), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
+        if not offset:
+            f = f32_add(f, f32_mul(row_f16(m, li), tok_f32(xm, xi, nb, tt)))
+    return f
+
+
+def q8_0_tile(w, x, s, t0, tt):
+    """q8_0: w = (qs int8, d)."""
+    qs, d = w
+    xq, xd, xm, xs = x
+    k = xq.shape[1]
+    nb = k // 32
+    f = f32_zero(tt)
+    for b in range(nb):
+        isum = i32_zero(tt)
+        for g in range(8):
+            isum = dot_s8(isum, wbytes(qs, (s * nb + b) * 512 + 64 * g), xbcast(xq, t0 * k + b * 32 + 4 * g, k, tt))  # noqa: F821
+        f = f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, t0 * nb + b, nb, tt)), f32_from_i32(isum)))
+    return f
+
+
+def kquant_tile(w, x, s, t0, tt):
+    """q4_k / q5_k: w = (qs, qh, d, dmin, sc, mn); qh has 1 byte for q4_k."""
+    qs, qh, d, dmin, sc, mn = w
+    xq, xd, xm, xs = x
+    k = xq.shape[1]
+    nb = k // 32
+    f = f32_zero(tt)
+    for b in range(nb):
+        isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)
+        li, si, xi = (s * nb + b) * 16, (s * (nb // 8) + b // 8) * 16, t0 * nb + b
+        scale = f32_mul(row_f16(d, si), row_u8(sc, li))  # exact: 11 x 6 significant bits
+        low = f32_mul(row_f16(dmin, si), row_u8(mn, li))
+        f = f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
+        f = f32_sub(f, f32_mul(low, tok_f32(xm, xi, nb, tt)))
+    return f
+
+
+def _q6_half(qs, qh2, xq, wi, hi, xi, k, tt):
+    """isum of one block half of 6-bit weights (2 accumulations per 16-bit flush)."""
+    isum = i32_zero(tt)
+    for pair in range(2):
+        a = acc_zero(tt)  # noqa: F821
+        for g in range(2 * pair, 2 * pair + 2):
+            v = bits_put(bits_at(wbytes(qs, wi + 64 * g), 4 * hi, 15), bits_at(wbytes(qh2, wi // 2 + 64 * hi), 2 * g, 3), 4)
+            a = acc_add(a, v, xbcast(xq, xi + 16 * hi + 4 * g, k, tt))  # noqa: F821
+        isum = i32_add(isum, acc_i32(a))  # noqa: F821
+    return isum
+
+
+def q6_k_tile(w, x, s, t0, tt):
+    """q6_k: w = (qs, qh2, d, sc int8 per 16)."""
+    qs, qh2, d, sc = w
+    xq, xd, xm, xs = x
+    k = xq.shape[1]
+    nb = k // 32
+    f = f32_zero(tt)
+    thirty_two = i32_splat(32, tt)
+    for b in range(nb):
+        si, xi = (s * (nb // 8) + b // 8) * 16, t0 * nb + b
+        dx = tok_f32(xd, xi, nb, tt)
+        for hi in range(2):
+            isum = _q6_half(qs, qh2, xq, (s * nb + b) * 256, hi, t0 * k + b * 32, k, tt)
+            isum = i32_sub(isum, i32_mul(tok_i32(xs, 2 * xi + hi, 2 * nb, tt), thirty_two))
+            scale = f32_mul(row_f16(d, si), row_i8(sc, (s * 2 * nb + 2 * b + hi) * 16))  # exact
+            f = f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
+    return f

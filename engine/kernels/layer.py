@@ -1,0 +1,169 @@
+"""One decoder layer as one compiled call: norm, products, RoPE, KV write, attention, SwiGLU.
+
+A Python loop of ~14 kernel calls per layer cost more than the kernels themselves at T = 1
+(argument checks, dispatch, slicing). Here a layer is one Numba function; its four weight
+products are bound per weight format (`product`), so a forward is one call per layer.
+
+Weights as the layer passes them to a product:
+  int8   w = ((arrays, n, col0), ...): one entry per part (one, or q|k|v of mixed formats)
+  exact  w = the PackedWeight's arrays; `rows` is the float kernels' decode scratch
+Buffers `rows` of an int8 product are its QuantRows (xq, xd, xm, xs), sliced to T inside.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba as nb
+
+from engine.kernels import attention, int_linear, linear_jit, linear_quant, ops
+from engine.kernels.simd import specialize
+
+PARALLEL_MIN_ROWS = ops.PARALLEL_MIN_ROWS
+PARALLEL_MIN_WORK = attention.PARALLEL_MIN_WORK
+
+
+_QUANTIZE_S, _QUANTIZE_P = int_linear._QUANTIZE
+
+
+@nb.njit(cache=True, inline="always")
+def _quantized(x, rows):
+    """x [T, k] -> its QuantRows arrays, sliced to T."""
+    num = x.shape[0]
+    xq, xd, xm, xs = rows[0][:num], rows[1][:num], rows[2][:num], rows[3][:num]
+    if num >= PARALLEL_MIN_ROWS:
+        _QUANTIZE_P(x, xq, xd, xm, xs)
+    else:
+        _QUANTIZE_S(x, xq, xd, xm, xs)
+    return xq, xd, xm, xs
+
+
+def _int_product1(x, w, out, rows):
+    xq = _quantized(x, rows)
+    _k0(w[0][0], xq, out, w[0][2], w[0][1])  # noqa: F821
+
+
+def _int_product2(x, w, out, rows):
+    xq = _quantized(x, rows)
+    _k0(w[0][0], xq, out, w[0][2], w[0][1])  # noqa: F821
+    _k1(w[1][0], xq, out, w[1][2], w[1][1])  # noqa: F821
+
+
+def _int_product3(x, w, out, rows):
+    xq = _quantized(x, rows)
+    _k0(w[0][0], xq, out, w[0][2], w[0][1])  # noqa: F821
+    _k1(w[1][0], xq, out, w[1][2], w[1][1])  # noqa: F821
+    _k2(w[2][0], xq, out, w[2][2], w[2][1])  # noqa: F821
+
+
+def _exact_f32(x, w, out, rows):
+    if x.shape[0] < 3:
+        linear_jit.f32_linear_small(x, w[0], out)
+    else:
+        linear_jit.f32_linear_tiles(x, w[0], out)
+
+
+def _exact_q4_1(x, w, out, rows):
+    if x.shape[0] < 7:
+        linear_quant.q4_1_linear_small(x, w[0], w[1], w[2], out)
+    else:
+        linear_quant.q4_1_linear_scratch(x, w[0], w[1], w[2], out, rows)
+
+
+def _exact_q8_0(x, w, out, rows):
+    if x.shape[0] < 7:
+        linear_quant.q8_0_linear_small(x, w[0], w[1], out)
+    else:
+        linear_quant.q8_0_linear_scratch(x, w[0], w[1], out, rows)
+
+
+_INT_PRODUCTS = {1: _int_product1, 2: _int_product2, 3: _int_product3}
+_EXACT_PRODUCTS = {"f32": _exact_f32, "q4_1": _exact_q4_1, "q8_0": _exact_q8_0}
+
+
+@functools.cache
+def product(key: tuple, path: str):
+    """The compiled product for ("int8", fmt, ...) (one format per part) or ("exact", kind)."""
+    if key[0] == "exact":
+        return specialize(_EXACT_PRODUCTS[key[1]], path, {}, tag="exact", parallel=False)
+    kernels = {f"_k{i}": int_linear.kernel(fmt, path) for i, fmt in enumerate(key[1:])}
+    return specialize(_INT_PRODUCTS[len(key) - 1], path, kernels, tag="_".join(key[1:]), parallel=False)
+
+
+def _layer(num, first, bufs, w, meta):
+    """Layer forward over the first `num` rows; bufs: activations, w: weights + this layer's caches,
+    meta: the step's token metadata (see CpuRunner.forward). Small ops run serially below
+    PARALLEL_MIN_ROWS rows (waking the threads costs more than the work)."""
+    x, delta, h, qkv, attn, gate_up, act, rows_h, rows_q, rows_i = bufs
+    attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, k_cache, v_cache = w
+    positions, slots, cu_q, tables, cos, sin, eps, scale, num_heads, num_kv, head_dim, rope_dim = meta
+    par = num >= PARALLEL_MIN_ROWS
+    xs, ds, hs, q, pos, out = x[:num], delta[:num], h[:num], qkv[:num], positions[:num], attn[:num]
+    if first and par:
+        _rms_p(xs, attn_norm, eps, hs)  # noqa: F821
+    elif first:
+        _rms_s(xs, attn_norm, eps, hs)  # noqa: F821
+    elif par:
+        _add_rms_p(xs, ds, attn_norm, eps, hs)  # noqa: F821
+    else:
+        _add_rms_s(xs, ds, attn_norm, eps, hs)  # noqa: F821
+    _qkv(hs, w_qkv, q, rows_h)  # noqa: F821
+    if par:
+        _rope_p(q, pos, cos, sin, num_heads + num_kv, head_dim, rope_dim)  # noqa: F821
+    else:
+        _rope_s(q, pos, cos, sin, num_heads + num_kv, head_dim, rope_dim)  # noqa: F821
+    if num >= 64:
+        _write_p(q, k_cache, v_cache, slots[:num], num_heads * head_dim, num_kv * head_dim)  # noqa: F821
+    else:
+        _write_s(q, k_cache, v_cache, slots[:num], num_heads * head_dim, num_kv * head_dim)  # noqa: F821
+    if num * num_heads * (pos.max() + 1) >= PARALLEL_MIN_WORK:
+        _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, out)  # noqa: F821
+    else:
+        _attend_s(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, out)  # noqa: F821
+    _o(out, w_o, ds, rows_q)  # noqa: F821
+    if par:
+        _add_rms_p(xs, ds, ffn_norm, eps, hs)  # noqa: F821
+    else:
+        _add_rms_s(xs, ds, ffn_norm, eps, hs)  # noqa: F821
+    _gu(hs, w_gu, gate_up[:num], rows_h)  # noqa: F821
+    if par:
+        _swiglu_p(gate_up[:num], act[:num])  # noqa: F821
+    else:
+        _swiglu_s(gate_up[:num], act[:num])  # noqa: F821
+    _down(act[:num], w_down, ds, rows_i)  # noqa: F821
+
+
+@functools.cache
+def layer(products: tuple, kv_f16: bool, vector_attention: bool, path: str):
+    """The compiled layer for four product keys (qkv, o, gate_up, down) and the cache's kind."""
+    write = attention._WRITE_KV_F16 if kv_f16 else attention._WRITE_KV
+    attend = attention._ATTENTION_VEC if vector_attention else attention._ATTENTION
+    bind = {name: product(key, path) for name, key in zip(("_qkv", "_o", "_gu", "_down"), products)}
+    bind.update(_write_s=write[0], _write_p=write[1], _attend_s=attend[0], _attend_p=attend[1],
+                _rms_s=ops._RMS_NORM[0], _rms_p=ops._RMS_NORM[1], _add_rms_s=ops._ADD_RMS_NORM[0],
+                _add_rms_p=ops._ADD_RMS_NORM[1], _rope_s=ops._ROPE[0], _rope_p=ops._ROPE[1],
+                _swiglu_s=ops._SWIGLU[0], _swiglu_p=ops._SWIGLU[1])
+    tag = "__".join("_".join(k) for k in products) + ("_f16" if kv_f16 else "_f32") + ("_vec" if vector_attention else "")
+    return specialize(_layer, path, bind, tag=tag, parallel=False)
+
+
+def product_key(w) -> tuple:
+    """A packed weight's product key (see `product`)."""
+    from engine.kernels.linear import PackedWeight, WeightParts
+
+    if isinstance(w, PackedWeight):
+        return ("exact", w.kind)
+    parts = w.parts if isinstance(w, WeightParts) else (w,)
+    return ("int8",) + tuple(p.fmt for p in parts)
+
+
+def product_args(w):
+    """A packed weight as its product takes it (see the module docstring)."""
+    from engine.kernels.linear import PackedWeight, WeightParts
+
+    if isinstance(w, PackedWeight):
+        return w.arrays
+    if isinstance(w, WeightParts):
+        return tuple((p.arrays, p.n, off) for p, off in zip(w.parts, w.offsets))
+    return ((w.arrays, w.n, 0),)
+

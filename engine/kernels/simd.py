@@ -1,0 +1,324 @@
+"""Integer SIMD for Numba kernels: LLVM vectors as Numba values, one op set per ISA path.
+
+Lanes are the 16 output rows of a weight strip (see int_pack). A weight vector is U8x64: 16 rows x
+4 consecutive k. An activation vector holds, for each of TT tokens, that token's 4 int8 values at
+the same k repeated in all 16 lanes, so a "4-dot" adds to every lane the 4 products of its row with
+its token's 4 values. No horizontal sums: each lane's integer sum is exact, whatever instruction
+computed it. Values for TT tokens are one vector of TT x 16 lanes (token-major); TT (1..4) is a
+compile-time literal, and each op unrolls its work over the tokens as it generates code.
+
+Kernels are written once against these ops and compiled per path (`specialize`):
+  vnni      256-bit vpdpbusd (AVX-512 VNNI + VL, or AVX-VNNI): LLVM tunes Intel server cores to 256-bit
+            vectors and cannot lower the 512-bit form there; two 256-bit ones do the same work
+  avx2      vpmaddubsw into 16-bit pair sums, widened by vpmaddwd (AVX2)
+  portable  plain LLVM vector IR, lowered by LLVM for whatever CPU runs it
+Integer sums are identical on every path, and the float ops (fmul, fadd, fsub, never fused, no
+fast-math flags) are the same IR on every path, so every path gives the same bits.
+
+Bound: the AVX2 accumulator keeps 16-bit pair sums, so a kernel adds at most
+32767 // (2 * max|w| * 127) 4-dots into one `acc` before `acc_i32` (8 for 4-bit weights, 4 for
+5-bit, 2 for 6-bit); `dot_s8` (signed 8-bit weights) widens every time.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+
+from engine.kernels.simd_ir import (  # noqa: F401  (LANES: part of this module's interface)
+    Vec, LANES, _I8, _I16, _I32, _F32, _u8, _i32, _f32, _tokens, _literal, _addr, _splat, _split,
+    _call, _index, _int_arg, _per_token, _repeat, _intrinsic,
+)
+from engine.kernels.simd_paths import PATH_OPS, PATHS, specialize, specialize_family  # noqa: F401
+
+# ---------------------------------------------------------------- loads and stores (every path)
+
+
+@_intrinsic
+def wbytes(typingctx, arr, idx):
+    """64 weight bytes at arr[idx:] (uint8 or int8 array, flat index): 16 rows x 4 k."""
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_addr(context, builder, sig.args[0], args[0], args[1], _u8(1).llvm()), align=1)
+
+    return _u8(1)(arr, idx), codegen
+
+
+@_intrinsic
+def xbcast(typingctx, arr, idx, stride, tt):
+    """For each of tt tokens, the 4 int8 at arr[idx + t * stride:][:4] repeated in 16 lanes."""
+    n = _literal(tt)
+
+    def codegen(context, builder, sig, args):
+        i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
+
+        def piece(t):
+            word = builder.load(_addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), _I32), align=1)
+            return _splat(builder, word, _i32(1).llvm())
+
+        return builder.bitcast(_per_token(builder, n, piece), _u8(n).llvm())
+
+    return _u8(n)(arr, idx, stride, tt), codegen
+
+
+@_intrinsic
+def tok_f32(typingctx, arr, idx, stride, tt):
+    """For each of tt tokens, the float32 arr[idx + t * stride] in all 16 lanes."""
+    n = _literal(tt)
+
+    def codegen(context, builder, sig, args):
+        i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
+
+        def piece(t):
+            v = builder.load(_addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), _F32))
+            return _splat(builder, v, _f32(1).llvm())
+
+        return _per_token(builder, n, piece)
+
+    return _f32(n)(arr, idx, stride, tt), codegen
+
+
+@_intrinsic
+def tok_i32(typingctx, arr, idx, stride, tt):
+    """For each of tt tokens, the int32 arr[idx + t * stride] in all 16 lanes."""
+    n = _literal(tt)
+
+    def codegen(context, builder, sig, args):
+        i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
+
+        def piece(t):
+            v = builder.load(_addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), _I32))
+            return _splat(builder, v, _i32(1).llvm())
+
+        return _per_token(builder, n, piece)
+
+    return _i32(n)(arr, idx, stride, tt), codegen
+
+
+def _row_loader(src_elem, convert, doc):
+    @_intrinsic
+    def load(typingctx, arr, idx):
+        def codegen(context, builder, sig, args):
+            v = builder.load(_addr(context, builder, sig.args[0], args[0], args[1], ir.VectorType(src_elem, LANES)), align=1)
+            return convert(builder, v, _f32(1).llvm())
+
+        return _f32(1)(arr, idx), codegen
+
+    load.__doc__ = doc
+    return load
+
+
+row_f16 = _row_loader(ir.HalfType(), lambda b, v, t: b.fpext(v, t), "16 fp16 (uint16 array) as float32, exact")
+row_u8 = _row_loader(_I8, lambda b, v, t: b.uitofp(v, t), "16 uint8 as float32")
+row_i8 = _row_loader(_I8, lambda b, v, t: b.sitofp(v, t), "16 int8 as float32")
+
+
+@_intrinsic
+def load_rows(typingctx, arr, idx, stride, tt):
+    """For each of tt rows, the 16 float32 at arr[idx + t * stride:] (the inverse of store_rows)."""
+    n = _literal(tt)
+
+    def codegen(context, builder, sig, args):
+        i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
+        ty = _f32(1).llvm()
+        return _per_token(builder, n, lambda t: builder.load(
+            _addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), ty), align=4))
+
+    return _f32(n)(arr, idx, stride, tt), codegen
+
+
+@_intrinsic
+def store_rows(typingctx, arr, idx, stride, v, count):
+    """Token t's first `count` lanes of v to arr[idx + t * stride:] (float32 array, flat index)."""
+    n = _tokens(v, LANES)
+
+    def codegen(context, builder, sig, args):
+        i, s, c = _int_arg(builder, args[1]), _int_arg(builder, args[2]), _int_arg(builder, args[4], _I32)
+        piece_ty = _f32(1).llvm()
+        lane_ids = ir.Constant(ir.VectorType(_I32, LANES), list(range(LANES)))
+        mask = builder.icmp_signed("<", lane_ids, _splat(builder, c, ir.VectorType(_I32, LANES)))
+        for t, piece in enumerate(_split(builder, args[3], n)):
+            ptr = _addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), piece_ty)
+            _call(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [piece, ptr, ir.Constant(_I32, 4), mask])
+        return context.get_dummy_value()
+
+    return types.none(arr, idx, stride, v, count), codegen
+
+
+# ---------------------------------------------------------------- lane arithmetic (every path)
+
+
+def _binary(name, build):
+    @_intrinsic
+    def op(typingctx, a, b):
+        out = a if a.count >= b.count else b
+
+        def codegen(context, builder, sig, args):
+            x, y = args
+            n = out.count
+            return build(builder, _repeat(builder, x, n), _repeat(builder, y, n))
+
+        return out(a, b), codegen
+
+    op.__name__ = name
+    return op
+
+
+f32_add = _binary("f32_add", lambda b, x, y: b.fadd(x, y))
+f32_sub = _binary("f32_sub", lambda b, x, y: b.fsub(x, y))
+f32_mul = _binary("f32_mul", lambda b, x, y: b.fmul(x, y))  # a 16-lane operand is repeated for each token
+i32_add = _binary("i32_add", lambda b, x, y: b.add(x, y))
+i32_sub = _binary("i32_sub", lambda b, x, y: b.sub(x, y))
+i32_mul = _binary("i32_mul", lambda b, x, y: b.mul(x, y))
+
+
+@_intrinsic
+def f32_zero(typingctx, tt):
+    n = _literal(tt)
+    return _f32(n)(tt), lambda context, builder, sig, args: ir.Constant(_f32(n).llvm(), [0.0] * LANES * n)
+
+
+@_intrinsic
+def i32_zero(typingctx, tt):
+    n = _literal(tt)
+    return _i32(n)(tt), lambda context, builder, sig, args: ir.Constant(_i32(n).llvm(), [0] * LANES * n)
+
+
+@_intrinsic
+def f32_from_i32(typingctx, v):
+    out = _f32(_tokens(v, LANES))
+    return out(v), lambda context, builder, sig, args: builder.sitofp(args[0], out.llvm())  # exact below 2**24
+
+
+@_intrinsic
+def i32_splat(typingctx, s, tt):
+    """The integer s in every lane of tt tokens."""
+    n = _literal(tt)
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, _int_arg(builder, args[0], _I32), _i32(n).llvm())
+
+    return _i32(n)(s, tt), codegen
+
+
+def _byte_op(name, build):
+    @_intrinsic
+    def op(typingctx, v, a, b):
+        def codegen(context, builder, sig, args):
+            ty = _u8(1).llvm()
+            sa, sb = (_splat(builder, builder.trunc(x, _I8) if x.type.width > 8 else x, ty) for x in args[1:])
+            return build(builder, args[0], sa, sb)
+
+        return _u8(1)(v, a, b), codegen
+
+    op.__name__ = name
+    return op
+
+
+bits_at = _byte_op("bits_at", lambda b, v, shift, mask: b.and_(b.lshr(v, shift), mask))  # (v >> s) & m per byte
+
+
+@_intrinsic
+def bits_put(typingctx, v, hi, shift):
+    """v | (hi << shift) per byte (hi: another U8x64)."""
+
+    def codegen(context, builder, sig, args):
+        s = args[2]
+        s = _splat(builder, builder.trunc(s, _I8) if s.type.width > 8 else s, _u8(1).llvm())
+        return builder.or_(args[0], builder.shl(args[1], s))
+
+    return _u8(1)(v, hi, shift), codegen
+
+
+@_intrinsic
+def row_f32(typingctx, arr, idx):
+    """16 values at arr[idx:] as float32: a float32 array as is, a uint16 array as fp16 bits (exact)."""
+    is_half = arr.dtype == types.uint16
+
+    def codegen(context, builder, sig, args):
+        src = ir.VectorType(ir.HalfType() if is_half else _F32, LANES)
+        v = builder.load(_addr(context, builder, sig.args[0], args[0], args[1], src), align=2)
+        return builder.fpext(v, _f32(1).llvm()) if is_half else v
+
+    return _f32(1)(arr, idx), codegen
+
+
+@_intrinsic
+def f16_bits(typingctx, x):
+    """float32 -> its nearest fp16 (ties to even), as uint16 bits."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+
+    return types.uint16(types.float32), codegen
+
+
+@_intrinsic
+def f32_splat(typingctx, s, tt):
+    """The float32 s in all 16 lanes of tt rows."""
+    n = _literal(tt)
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, args[0], _f32(n).llvm())
+
+    return _f32(n)(types.float32, tt), codegen
+
+
+@_intrinsic
+def f32_keep(typingctx, v, count, fill):
+    """v with lanes >= count (of each 16) set to the float32 `fill`."""
+
+    def codegen(context, builder, sig, args):
+        n = v.count
+        ids = ir.Constant(ir.VectorType(_I32, n), [i % LANES for i in range(n)])
+        keep = builder.icmp_signed("<", ids, _splat(builder, _int_arg(builder, args[1], _I32), ir.VectorType(_I32, n)))
+        return builder.select(keep, args[0], _splat(builder, args[2], v.llvm()))
+
+    return v(v, count, types.float32), codegen
+
+
+def _reduce(builder, v, combine):
+    """Fold a 16-lane vector to a scalar by halves: (0..7 with 8..15), then 0..3 with 4..7, ... (fixed order)."""
+    while v.type.count > 1:
+        a, b = _split(builder, v, 2)
+        v = combine(builder, a, b)
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+@_intrinsic
+def f32_hsum(typingctx, v):
+    """Sum of a 16-lane vector, in a fixed tree order."""
+    return types.float32(v), lambda context, builder, sig, args: _reduce(builder, args[0], lambda b, x, y: b.fadd(x, y))
+
+
+@_intrinsic
+def f32_hmax(typingctx, v):
+    """Largest lane of a 16-lane vector (exact in any order)."""
+    pick = lambda b, x, y: b.select(b.fcmp_ordered(">", x, y), x, y)  # noqa: E731
+    return types.float32(v), lambda context, builder, sig, args: _reduce(builder, args[0], pick)
+
+
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+@_intrinsic
+def f32_exp(typingctx, v):
+    """e**v per lane for v <= 0 (softmax), to ~2 ulp: 2**n * p(r) with n = round(v / ln 2) and a degree-7
+    polynomial in r = v - n ln 2 (ln 2 split in two); plain fmul/fadd, so every path gives the same bits."""
+
+    def codegen(context, builder, sig, args):
+        ty = v.llvm()
+        c = lambda x: _splat(builder, ir.Constant(_F32, x), ty)  # noqa: E731
+        x = builder.select(builder.fcmp_ordered("<", args[0], c(-87.0)), c(-87.0), args[0])
+        n = _call(builder, f"llvm.roundeven.v{v.count}f32", ty, [builder.fmul(x, c(1.4426950408889634))])
+        r = builder.fsub(builder.fsub(x, builder.fmul(n, c(0.693359375))), builder.fmul(n, c(-2.12194440e-4)))
+        p = c(_EXP_POLY[0])
+        for coef in _EXP_POLY[1:]:
+            p = builder.fadd(builder.fmul(p, r), c(coef))
+        p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), c(1.0))
+        ity = ir.VectorType(_I32, v.count)
+        bits = builder.shl(builder.add(builder.fptosi(n, ity), _splat(builder, ir.Constant(_I32, 127), ity)),
+                           _splat(builder, ir.Constant(_I32, 23), ity))
+        return builder.fmul(p, builder.bitcast(bits, ty))
+
+    return v(v), codegen

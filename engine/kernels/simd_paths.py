@@ -1,0 +1,161 @@
+"""Per-ISA-path ops (the 4-dot accumulators) and the compilation of kernels for one path.
+
+See simd.py for the paths and why they all give the same bits.
+"""
+
+from __future__ import annotations
+
+import types as pytypes
+
+from llvmlite import ir
+from numba import njit
+
+from engine.kernels.simd_ir import (
+    LANES, _I8, _I16, _I32, _i16, _i32, _tokens, _literal, _lanes, _concat, _split, _call,
+    _intrinsic,
+)
+
+PATHS = ("vnni", "avx2", "portable")
+
+
+# ---------------------------------------------------------------- the 4-dots, per path
+
+
+def _dot4_generic(builder, w, x, signed_w: bool):
+    """[16 x i32]: per lane, the sum of the 4 products w * x (w bytes unsigned or signed; x signed)."""
+    wide = ir.VectorType(_I16, 64)
+    w16 = builder.sext(w, wide) if signed_w else builder.zext(w, wide)
+    prod = builder.sext(builder.mul(w16, builder.sext(x, wide)), ir.VectorType(_I32, 64))  # |255*128| < 2**15
+    pairs = builder.add(_lanes(builder, prod, range(0, 64, 2)), _lanes(builder, prod, range(1, 64, 2)))
+    return builder.add(_lanes(builder, pairs, range(0, 32, 2)), _lanes(builder, pairs, range(1, 32, 2)))
+
+
+def _avx2_maddubs(builder, w, x):
+    """[32 x i16] saturating pair sums of unsigned w x signed x (two vpmaddubsw)."""
+    ty = ir.VectorType(_I16, 16)
+    (w0, w1), (x0, x1) = _split(builder, w, 2), _split(builder, x, 2)
+    return _concat(builder, [_call(builder, "llvm.x86.avx2.pmadd.ub.sw", ty, [w0, x0]),
+                             _call(builder, "llvm.x86.avx2.pmadd.ub.sw", ty, [w1, x1])])
+
+
+def _avx2_widen(builder, v16):
+    """[32 x i16] -> [16 x i32] neighbour sums (two vpmaddwd with ones)."""
+    ty, ones = ir.VectorType(_I32, 8), ir.Constant(ir.VectorType(_I16, 16), [1] * 16)
+    return _concat(builder, [_call(builder, "llvm.x86.avx2.pmadd.wd", ty, [h, ones]) for h in _split(builder, v16, 2)])
+
+
+def _vnni(builder, acc, w, x):
+    """acc [16 x i32] + 4-dots of unsigned w with signed x: two 256-bit vpdpbusd."""
+    ty = _i32(1).llvm()
+    half = ir.VectorType(_I32, 8)
+    pieces = [_call(builder, "llvm.x86.avx512.vpdpbusd.256", half,
+                    [a, builder.bitcast(wh, half), builder.bitcast(xh, half)])
+              for a, wh, xh in zip(_split(builder, acc, 2), _split(builder, w, 2), _split(builder, x, 2))]
+    return builder.bitcast(_concat(builder, pieces), ty)
+
+
+def _add_u8(path, builder, acc, w, x):
+    """One token: acc (path's accumulator piece) + 4-dots of unsigned w with signed x."""
+    if path == "avx2":
+        return builder.add(acc, _avx2_maddubs(builder, w, x))
+    if path == "vnni":
+        return _vnni(builder, acc, w, x)
+    return builder.add(acc, _dot4_generic(builder, w, x, signed_w=False))
+
+
+def _add_s8(path, builder, acc, w, x):
+    """One token: acc (i32 piece) + 4-dots of signed w with signed x, exact."""
+    if path == "avx2":  # |w| x sign(x, w): products and pair sums stay within 16 bits
+        absw = _call(builder, "llvm.abs.v64i8", w.type, [w, ir.Constant(ir.IntType(1), 0)])
+        ty = ir.VectorType(_I8, 32)
+        signed = _concat(builder, [_call(builder, "llvm.x86.avx2.psign.b", ty, [xh, wh])
+                                   for xh, wh in zip(_split(builder, x, 2), _split(builder, w, 2))])
+        return builder.add(acc, _avx2_widen(builder, _avx2_maddubs(builder, absw, signed)))
+    if path == "vnni":  # (w + 128) x x, minus 128 x (x's 4-sum): two vpdpbusd
+        ty = w.type
+        xsum = _vnni(builder, ir.Constant(_i32(1).llvm(), [0] * LANES), ir.Constant(ty, [1] * 64), x)
+        biased = _vnni(builder, acc, builder.xor(w, ir.Constant(ty, [0x80] * 64)), x)
+        return builder.sub(biased, builder.shl(xsum, ir.Constant(_i32(1).llvm(), [7] * LANES)))
+    return builder.add(acc, _dot4_generic(builder, w, x, signed_w=True))
+
+
+def _make_path_ops(path: str) -> dict:
+    """acc_zero / acc_add / acc_i32 (unsigned weight bytes) and dot_s8 (signed) for one path."""
+    acc_of = _i16 if path == "avx2" else _i32
+    per_token = 32 if path == "avx2" else LANES
+
+    @_intrinsic
+    def acc_zero(typingctx, tt):
+        n = _literal(tt)
+        return acc_of(n)(tt), lambda context, builder, sig, args: ir.Constant(acc_of(n).llvm(), [0] * per_token * n)
+
+    @_intrinsic
+    def acc_add(typingctx, acc, w, x):
+        """acc + 4-dots of unsigned weight bytes w (U8x64) with each token's activations x."""
+        n = _tokens(acc, per_token)
+
+        def codegen(context, builder, sig, args):
+            accs, xs = _split(builder, args[0], n), _split(builder, args[2], n)
+            return _concat(builder, [_add_u8(path, builder, a, args[1], xt) for a, xt in zip(accs, xs)])
+
+        return acc(acc, w, x), codegen
+
+    @_intrinsic
+    def acc_i32(typingctx, acc):
+        n = _tokens(acc, per_token)
+
+        def codegen(context, builder, sig, args):
+            if path != "avx2":
+                return args[0]
+            return _concat(builder, [_avx2_widen(builder, a) for a in _split(builder, args[0], n)])
+
+        return _i32(n)(acc), codegen
+
+    @_intrinsic
+    def dot_s8(typingctx, acc, w, x):
+        """acc (i32) + 4-dots of signed weight bytes w with each token's activations x."""
+        n = _tokens(acc, LANES)
+
+        def codegen(context, builder, sig, args):
+            accs, xs = _split(builder, args[0], n), _split(builder, args[2], n)
+            return _concat(builder, [_add_s8(path, builder, a, args[1], xt) for a, xt in zip(accs, xs)])
+
+        return acc(acc, w, x), codegen
+
+    return {"acc_zero": acc_zero, "acc_add": acc_add, "acc_i32": acc_i32, "dot_s8": dot_s8}
+
+
+PATH_OPS = {path: _make_path_ops(path) for path in PATHS}
+
+
+def _clone(fn, env: dict, suffix: str):
+    clone = pytypes.FunctionType(fn.__code__, env, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    clone.__qualname__ = fn.__qualname__ + suffix
+    clone.__doc__ = fn.__doc__
+    return clone
+
+
+def specialize_family(functions: dict, path: str) -> dict:
+    """{name: fn} -> {name: inline-compiled clone for `path`}; the clones call each other by name.
+
+    Every function must come from one module (they share its globals, plus the path's ops).
+    """
+    if path not in PATH_OPS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    env = dict(next(iter(functions.values())).__globals__)
+    env.update(PATH_OPS[path])
+    for name, fn in functions.items():
+        env[name] = njit(inline="always", cache=True)(_clone(fn, env, f"_{path}"))
+    return {name: env[name] for name in functions}
+
+
+def specialize(fn, path: str, bind: dict, tag: str, parallel: bool = True):
+    """Compile driver `fn` for one path, with `bind` {global name: compiled helper} in its globals.
+
+    The clone is named after `tag` and the path, so Numba's on-disk cache keeps them apart.
+    """
+    env = dict(fn.__globals__)
+    env.update(PATH_OPS[path])
+    env.update(bind)
+    suffix = f"_{tag}_{path}" + ("" if parallel else "_serial")
+    return njit(parallel=parallel, cache=True)(_clone(fn, env, suffix))

@@ -1,0 +1,188 @@
+"""Integer weight products: every GGUF format against a float64 reference of the same quantized
+arithmetic, every ISA path bit-identical to the portable one, rows bit-identical whatever the batch."""
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
+from engine.kernels import int_linear
+from engine.kernels.int_pack import FORMATS, IntWeight
+from engine.kernels.linear import WeightParts, linear, pack_gguf_rows, pack_gguf_tensor
+
+# name: (type, n, k); n never a multiple of 16 (partial last strip), k the block multiple of the type
+SPECS = {
+    "q4_0": (Q.Q4_0, 37, 96), "q4_1": (Q.Q4_1, 40, 64), "q5_0": (Q.Q5_0, 21, 96), "q5_1": (Q.Q5_1, 18, 64),
+    "q8_0": (Q.Q8_0, 35, 128), "q4_k": (Q.Q4_K, 19, 512), "q5_k": (Q.Q5_K, 33, 256), "q6_k": (Q.Q6_K, 17, 512),
+}
+KQUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fp16 fields of a super-block
+
+
+def kquant_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
+    """Random but valid K-quant rows (gguf-py cannot quantize these types): random quant and scale
+    bytes, with the fp16 super-block scales set to small finite values."""
+    _, block_bytes, per_block = FORMATS[qtype]
+    blocks = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
+    for off in KQUANT_SCALE_OFFSETS[qtype]:
+        scales = (rng.random((n, k // per_block, 1)) * 0.004 + 1e-4).astype(np.float16)
+        blocks[:, :, off : off + 2] = scales.view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+@pytest.fixture(scope="module")
+def tensors(tmp_path_factory):
+    """Every format written to a real GGUF file with gguf.GGUFWriter and read back: {name: ReaderTensor}."""
+    path = tmp_path_factory.mktemp("int") / "weights.gguf"
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (qtype, n, k) in SPECS.items():
+        if qtype in KQUANT_SCALE_OFFSETS:
+            writer.add_tensor(name, kquant_blocks(qtype, n, k, rng), raw_dtype=qtype)
+        else:
+            dense = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+            writer.add_tensor(name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def dequantized(t) -> np.ndarray:
+    """gguf-py's own float32 weights [n, k]: the reference's W."""
+    k, n = (int(v) for v in t.shape)
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(n, k)
+
+
+def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """float64 x_q @ W.T, with x_q the int8 block quantization the kernels use (an independent NumPy
+    version: scale = max|x| / 127 per 32, round half to even)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    scale = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.rint(blocks * inv)
+    return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape) @ w.astype(np.float64).T
+
+
+def run(x, w, path=None) -> np.ndarray:
+    out = np.full((x.shape[0], w.n), np.nan, np.float32)  # poisoned: every element must be written
+    if path is None:
+        linear(x, w, out)
+    else:
+        int_linear.matmul(int_linear.quantize(x), w, out, 0, path)
+    assert not np.isnan(out).any()
+    return out
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_packs_every_integer_format(tensors, name):
+    w = pack_gguf_tensor(tensors[name], "int8")
+    _, n, k = SPECS[name]
+    assert isinstance(w, IntWeight) and (w.fmt, w.n, w.k) == (name, n, k)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_matches_float64_reference_of_the_same_quantized_arithmetic(tensors, name):
+    t = tensors[name]
+    w = pack_gguf_tensor(t, "int8")
+    x = np.random.default_rng(1).standard_normal((11, w.k)).astype(np.float32)
+    x[3] = 0.0  # an all-zero row: scale 0
+    exact = reference(x, dequantized(t))
+    out = run(x, w)
+    assert np.abs(out - exact).max() / np.abs(exact).max() <= 1e-5
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_isa_path_gives_the_portable_paths_bits(tensors, name):
+    w = pack_gguf_tensor(tensors[name], "int8")
+    x = np.random.default_rng(2).standard_normal((9, w.k)).astype(np.float32) * 3
+    portable = run(x, w, "portable")
+    for path in int_linear.runnable_paths():
+        np.testing.assert_array_equal(run(x, w, path), portable, err_msg=path)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_rows_are_bit_identical_whatever_the_batch(tensors, name):
+    """Row t depends only on x[t]: any T (tiles of 4, 2, 1), any position, any neighbours."""
+    w = pack_gguf_tensor(tensors[name], "int8")
+    rng = np.random.default_rng(3)
+    pool = rng.standard_normal((24, w.k)).astype(np.float32)
+    alone = np.concatenate([run(pool[i : i + 1], w) for i in range(len(pool))])
+    for num_tokens in list(range(1, 12)) + [17, 40]:
+        picks = rng.integers(0, len(pool), num_tokens)
+        np.testing.assert_array_equal(run(pool[picks], w), alone[picks], err_msg=f"T={num_tokens}")
+
+
+def test_quantized_rows_match_numpy():
+    x = np.random.default_rng(4).standard_normal((5, 96)).astype(np.float32) * 7
+    x[1, :32] = 0.0
+    x[2, :32] = 0.0
+    x[2, :5] = [127.0, 0.5, 1.5, 2.5, -0.5]  # scale exactly 1: halves round to even (0, 2, 2, -0)
+    xq, xd, xm, xs = (a.copy() for a in int_linear.quantize(x))
+    blocks = x.reshape(5, 3, 32)
+    scale = np.abs(blocks).max(axis=2) / np.float32(127)
+    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int32)
+    np.testing.assert_array_equal(xq.reshape(5, 3, 32), q)
+    np.testing.assert_array_equal(xd, scale)
+    np.testing.assert_array_equal(xs, q.reshape(5, 6, 16).sum(axis=2))
+    np.testing.assert_array_equal(xm, scale * q.sum(axis=2).astype(np.float32))
+
+
+def test_mixed_formats_stacked_by_rows_equal_the_separate_products(tensors):
+    """q|k|v of different integer types (a Q4_K_M file) stay integer parts, not float32."""
+    parts = [tensors["q4_k"], tensors["q6_k"]]
+    w = pack_gguf_rows(parts, "int8")
+    assert isinstance(w, WeightParts) and w.n == sum(int(t.shape[1]) for t in parts)
+    x = np.random.default_rng(5).standard_normal((6, w.k)).astype(np.float32)
+    separate = np.concatenate([run(x, pack_gguf_tensor(t, "int8")) for t in parts], axis=1)
+    np.testing.assert_array_equal(run(x, w), separate)
+
+
+def test_float_types_keep_the_exact_path_under_int8(tensors):
+    dense = np.random.default_rng(6).standard_normal((7, 32)).astype(np.float32)
+
+    class F32:
+        name, tensor_type, shape, data = "f32", Q.F32, [32, 7], dense
+
+    assert not isinstance(pack_gguf_tensor(F32, "int8"), IntWeight)
+
+
+def test_unknown_numerics_is_a_clear_error(tensors):
+    with pytest.raises(ValueError, match="numerics"):
+        pack_gguf_tensor(tensors["q4_1"], "int4")
+
+
+VNNI_PROBE = """
+import numpy as np, gguf
+import engine
+from engine.kernels import int_linear
+from engine.kernels.int_pack import pack_int
+from engine.kernels.weights import RawTensor
+w = pack_int(RawTensor("w", gguf.GGMLQuantizationType.{qtype}, (256, 16), {data}))
+xq = (np.zeros((4, 256), np.int8), np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32), np.zeros((4, 16), np.int32))
+k = int_linear.kernel("{fmt}", "vnni")
+k.compile((numba.typeof(w.arrays), numba.typeof(xq), numba.typeof(np.zeros((4, 16), np.float32)), numba.int64, numba.int64))
+print("vpdpbusd" in k.inspect_asm(k.signatures[0]))
+"""
+
+
+@pytest.mark.parametrize("cpu", ["icelake-server", "alderlake"])  # AVX-512 VNNI (+VL); AVX-VNNI without AVX-512
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_vnni_path_compiles_to_vpdpbusd(fmt, cpu, tmp_path):
+    """Compile only, nothing runs (this CPU may lack VNNI): LLVM targets that CPU in a subprocess.
+    Where the CPU has VNNI, test_every_isa_path_gives_the_portable_paths_bits runs it."""
+    qtype, block = (("Q4_1", "gguf.quants.quantize(np.ones((16, 256), np.float32), gguf.GGMLQuantizationType.Q4_1)")
+                    if fmt == "q4_1" else
+                    ("Q8_0", "gguf.quants.quantize(np.ones((16, 256), np.float32), gguf.GGMLQuantizationType.Q8_0)"))
+    code = "import numba\n" + VNNI_PROBE.format(qtype=qtype, data=block, fmt=fmt)
+    # NUMBA_CPU_FEATURES="" lets the CPU name imply its features (else Numba passes this host's)
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("True")
