@@ -1,8 +1,9 @@
 """`speculant engine`: one engine worker driving an LLMEngine from a ZeroMQ DEALER socket.
 
-The loop reads top to bottom: receive (add / abort) -> engine.step() -> send outputs
--> heartbeat. It blocks only while idle, never on a send (NOBLOCK; a full queue drops
-the message with a log line). The gateway may start before or after us and may
+The loop reads top to bottom: receive (add / abort) -> engine.step() -> send outputs.
+Heartbeats go from their own thread (engine/heartbeat.py), also during a long step; the two
+threads share the socket under a lock. The loop blocks only while idle, never on a send
+(NOBLOCK; a full queue drops the message with a log line). The gateway may start before or after us and may
 restart: ZeroMQ reconnects the DEALER, and a GatewayHello makes us drop requests the
 new gateway does not know and introduce ourselves again with Ready. Cut off from the
 gateway for longer than its worker timeout (it has failed our requests by then), we abort
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 
 import msgspec
@@ -23,10 +25,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from engine import protocol, zmq_security
 from engine.errors import InvalidRequest
+from engine.heartbeat import Heartbeat
 
 log = logging.getLogger("speculant.worker")
 
-HEARTBEAT_INTERVAL = 0.5  # seconds, also while busy; the gateway drops a worker after ~5 s of silence
+HEARTBEAT_INTERVAL = 0.5  # seconds, also during a step; the gateway drops a worker after ~5 s of silence
+IDLE_POLL_MS = 100  # longest wait for a message while idle (the socket lock is held meanwhile)
 HWM = 100_000  # messages queued per direction before a send is dropped
 LINGER_MS = 1000  # how long close() may wait to deliver the final Goodbye
 MAX_MESSAGES_PER_DRAIN = 1024  # keep stepping under a flood of requests
@@ -56,41 +60,46 @@ class Worker:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.link.monitor, zmq.POLLIN)
+        self.sock_lock = threading.Lock()  # the heartbeat thread sends on the same socket
+        self.last_stats = self.stats()  # refreshed by the main thread; sent by the heartbeat thread
+        self.heartbeat = Heartbeat(self.beat, HEARTBEAT_INTERVAL)
         self.sock.connect(endpoint)
         log.info("worker %s connecting to %s", worker_id, endpoint)
 
     def run(self) -> None:
         self.send(self.ready())
-        next_heartbeat = 0.0
+        self.heartbeat.start()
         while not self.is_stopping:
-            idle_ms = 0 if self.engine.has_unfinished() else max(0, int((next_heartbeat - time.monotonic()) * 1000))
-            self.receive(idle_ms)
+            self.receive(0 if self.engine.has_unfinished() else IDLE_POLL_MS)
             if self.engine.has_unfinished():
                 self.step()
+            self.last_stats = self.stats()
             now = time.monotonic()
             if self.link.is_lost(now) and self.engine.request_ids():
                 log.warning("cut off from the gateway for over %g s: aborting %d requests",
                             self.link.timeout, len(self.engine.request_ids()))
                 for request_id in self.engine.request_ids():
                     self.abort(request_id)
-            if now >= next_heartbeat:
-                self.send(protocol.Heartbeat(worker_id=self.worker_id, stats=self.stats()))
-                next_heartbeat = now + HEARTBEAT_INTERVAL
         self.shutdown()
+
+    def beat(self) -> None:
+        """One heartbeat with the stats of the last finished loop (called from the heartbeat thread)."""
+        self.send(protocol.Heartbeat(worker_id=self.worker_id, stats=self.last_stats))
 
     # ------------------------------------------------------------ receive
 
     def receive(self, timeout_ms: int) -> None:
-        ready = dict(self.poller.poll(timeout_ms))
-        if self.link.monitor in ready:
-            self.link.read_events(time.monotonic())
-        if self.sock not in ready:
-            return
-        for _ in range(MAX_MESSAGES_PER_DRAIN):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        with self.sock_lock:
+            ready = dict(self.poller.poll(timeout_ms))
+            if self.link.monitor in ready:
+                self.link.read_events(time.monotonic())
+            batch = []
+            for _ in range(MAX_MESSAGES_PER_DRAIN if self.sock in ready else 0):
+                try:
+                    batch.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        for frames in batch:  # handled outside the lock: handling may send
             self.handle(frames)
 
     def handle(self, frames: list[bytes]) -> None:
@@ -153,8 +162,7 @@ class Worker:
             return
         step_time = time.monotonic() - step_start
         if step_time > SLOW_STEP:
-            log.warning("one engine step took %.1f s; heartbeats wait for it (gateway timeout: "
-                        "SPECULANT_WORKER_TIMEOUT)", step_time)
+            log.warning("one engine step took %.1f s", step_time)
         if outputs:
             self.send(protocol.Outputs(items=[self.stamp(out, step_start) for out in outputs]))
 
@@ -170,8 +178,10 @@ class Worker:
         return out
 
     def send(self, msg: msgspec.Struct) -> None:
+        data = protocol.encode(msg)
         try:
-            self.sock.send(protocol.encode(msg), zmq.NOBLOCK)
+            with self.sock_lock:
+                self.sock.send(data, zmq.NOBLOCK)
         except zmq.Again:
             log.warning("send queue full: dropping %s", type(msg).__name__)
 
@@ -191,6 +201,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Goodbye first (the gateway ends our requests with an error event), then free everything."""
+        self.heartbeat.stop()
         request_ids = self.engine.request_ids()
         log.info("worker %s stopping; aborting %d requests", self.worker_id, len(request_ids))
         self.send(protocol.Goodbye(worker_id=self.worker_id, reason="shutdown"))
