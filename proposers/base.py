@@ -15,17 +15,23 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 import numpy as np
 
-if TYPE_CHECKING:
-    from engine.cpu_runner import CacheConfig
-    from engine.gguf_loader import GGUFModel
-    from engine.spec_config import SpeculativeConfig
-
 API_VERSION = 1
+
+
+class ProposerConfig(Protocol):
+    """What a proposer reads of `--speculative-config` (the engine's SpeculativeConfig has these).
+
+    The contract names no engine type, so a plugin depends on this module alone.
+    """
+
+    method: str  # the entry-point name
+    num_speculative_tokens: int  # K
+    options: Mapping[str, Any]  # method-specific options, canonical names (see `parse_options`)
 
 
 @dataclass(slots=True)
@@ -51,9 +57,10 @@ class DraftRequest:
 class TargetModel:
     """What a model-based proposer may use of the target: its weights, runner and cache shape."""
 
-    model: GGUFModel  # the opened GGUF (config, tensors, tokenizer metadata)
+    model: Any  # the opened GGUF (engine's GGUFModel: `config`, `tensor(name)`, tokenizer metadata)
     runner: Any  # the engine's runner (packed weights; `hidden_states()` after a forward)
-    cache: CacheConfig
+    cache: Any  # the engine's CacheConfig (block_size, num_blocks, max_model_len, max_num_seqs, ...)
+    numerics: str = "exact"  # the target's weight products ("int8" or "exact"); a proposer's own use the same
 
 
 @dataclass(slots=True)
@@ -93,7 +100,7 @@ class Proposer:
     # True: the engine hands over the target's final-normed hidden states (`observe_hidden`).
     uses_hidden_states: ClassVar[bool] = False
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int):
+    def __init__(self, config: ProposerConfig, vocab_size: int):
         self.config = config
         self.vocab_size = vocab_size
         self.options = self.parse_options(config.options)
