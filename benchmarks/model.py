@@ -1,10 +1,14 @@
 """`speculant bench model`: the CPU model runtime's numbers, printed side by side.
 
-Prints prefill tokens/s, decode tokens/s at batch 1 and 8, the verify curve (ms per
-forward for T appended tokens at a ~300-token context), peak RSS, and the floor:
-bytes of weights streamed per step / this machine's measured read bandwidth.
-With `--peers`, Hugging Face transformers (fp32, same GGUF) runs in the same process
-for comparison when it is installed.
+Prints prefill tokens/s (a fresh `--prefill-tokens` prompt), decode tokens/s at batch 1 and 8,
+the verify curve (ms per forward for T appended tokens at a `--context`-token context), a decode
+step at `--long-context` cached tokens against one at `--context`, peak RSS, and the floor:
+bytes of weights streamed per step / this machine's measured read bandwidth. It names the CPU
+and the kernel path taken (`--numerics int8`: integer products; `exact`: float32).
+
+With `--peers`, llama.cpp (llama-cpp-python, same GGUF, same threads) takes the same
+measurements in its own process (benchmarks/model_peer.py) and the report gives our ratio to
+it; transformers fp32 decode is timed too when it is installed.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ def parse(argv):
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--peers", action="store_true", help="also time transformers fp32 if installed")
+    p.add_argument("--prefill-tokens", type=int, default=500, help="prompt length of the prefill measurement")
+    p.add_argument("--long-context", type=int, default=2000, help="cached tokens of the long decode step (0: skip)")
+    p.add_argument("--numerics", choices=("int8", "exact"), default="int8")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float16", "float32"), default="auto")
+    p.add_argument("--peers", action="store_true", help="also time llama.cpp (and transformers fp32) if installed")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     return p.parse_args(argv)
 
@@ -59,23 +67,27 @@ def _timed(fn) -> float:
 
 
 def engine_args(args, max_tokens):
+    longest = max(args.context, args.long_context, args.prefill_tokens)
     return SimpleNamespace(
-        model=args.model, max_model_len=max(2048, args.context + max_tokens + 64), kv_cache_memory=1.0,
-        block_size=16, max_num_seqs=16, max_num_batched_tokens=512, threads=args.threads,
-        speculative_config=None, served_model_name=None,
+        model=args.model, max_model_len=max(2048, longest + max_tokens + 64), kv_cache_memory=1.0,
+        block_size=16, max_num_seqs=16, max_num_batched_tokens=max(512, args.prefill_tokens), threads=args.threads,
+        speculative_config=None, served_model_name=None, numerics=args.numerics, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
-def verify_curve(runner, context: int, repeats: int) -> dict[int, float]:
+def verify_curve(runner, context: int, repeats: int, ts=VERIFY_TS) -> dict[int, float]:
     """Median ms of a forward that appends T tokens on top of `context` cached tokens."""
     from engine.cpu_runner import ForwardBatch
 
     fb = ForwardBatch(runner.cache)
     table = list(range(-(-(context + 16) // runner.cache.block_size)))  # blocks 0.. hold this context
-    fb.add(np.arange(context, dtype=np.int32) % 1000, 0, table, 1)
-    runner.forward(fb)
+    chunk = runner.cache.max_num_batched_tokens
+    for start in range(0, context, chunk):  # prefilled in chunks the runner's buffers hold
+        fb.clear()
+        fb.add(np.arange(start, min(context, start + chunk), dtype=np.int32) % 1000, start, table, 1)
+        runner.forward(fb)
     out = {}
-    for t in VERIFY_TS:
+    for t in ts:
         times = []
         for _ in range(repeats):
             fb.clear()
@@ -124,21 +136,30 @@ def transformers_decode_rate(path, prompt_ids, num_tokens: int) -> float | None:
 
 def run(args, progress: bool = False) -> dict:
     """Every measurement of this benchmark, as one dict (`progress`: a tqdm bar over the stages)."""
+    from benchmarks.spec import machine_info
     from engine.llm_engine import LLMEngine
     from engine.model_files import resolve_model
 
     eng = LLMEngine.from_args(engine_args(args, args.decode_tokens))
     runner = eng.runner
     prompt_ids = (np.arange(args.context) * 37 % 30000 + 100).tolist()
-    res = {"machine_threads": runner_threads(), "weight_bytes": int(runner.weight_bytes), "context": args.context}
+    res = {"machine": machine_info(), "machine_threads": runner_threads(), "numerics": args.numerics,
+           "kv_cache_dtype": runner.kv_cache_dtype, "weight_bytes": int(runner.weight_bytes),
+           "context": args.context, "prefill_tokens": args.prefill_tokens, "long_context": args.long_context}
     stages = [
         ("read_bandwidth_gbs", read_bandwidth_gbs),
         ("verify_ms", lambda: verify_curve(runner, args.context, args.repeats)),
-        ("prefill_tok_s", lambda: prefill_rate(eng, args.context)),
+        ("prefill_tok_s", lambda: prefill_rate(eng, args.prefill_tokens)),
         ("decode_tok_s_b1", lambda: decode_rate(eng, prompt_ids, 1, args.decode_tokens)),
         ("decode_tok_s_b8", lambda: decode_rate(eng, prompt_ids, 8, args.decode_tokens)),
     ]
+    if args.long_context:
+        stages.append(("long_decode_ms", lambda: verify_curve(runner, args.long_context, args.repeats, (1,))[1]))
     if args.peers:
+        from benchmarks.model_peer_run import llama_cpp_side
+
+        stages.append(("llama_cpp", lambda: llama_cpp_side(args, resolve_model(args.model), prompt_ids, runner_threads(),
+                                                         VERIFY_TS)))
         stages.append(("transformers_fp32_decode_tok_s_b1",
                        lambda: transformers_decode_rate(resolve_model(args.model), prompt_ids, 32)))
     for key, measure in _stages(stages, progress):
@@ -174,17 +195,27 @@ def runner_threads() -> int:
 
 
 def report(res: dict) -> None:
+    m = res["machine"]
+    print(f"CPU                     {m['cpu_model']} ({m['llvm_cpu']}; {' '.join(m['cpu_flags'])})")
+    print(f"kernels                 numerics {res['numerics']}, path {m['kernel_path']}, KV {res['kv_cache_dtype']}")
     print(f"threads                 {res['machine_threads']}")
     print(f"weights streamed/step   {res['weight_bytes'] / 1e6:.1f} MB")
     print(f"read bandwidth          {res['read_bandwidth_gbs']:.1f} GB/s")
     print(f"floor (T=1)             {res['floor_ms']:.2f} ms")
-    print("verify curve (ms per forward, ~context tokens cached):")
+    print(f"verify curve (ms per forward, {res['context']} tokens cached):")
     for t, ms in res["verify_ms"].items():
         print(f"  T={t:<3d} {ms:8.2f} ms   {res['verify_ratio'][t]:.2f}x T=1   {ms / res['floor_ms']:.2f}x floor")
-    print(f"prefill                 {res['prefill_tok_s']:.0f} tok/s")
+    print(f"prefill ({res['prefill_tokens']} tokens)   {res['prefill_tok_s']:.0f} tok/s")
     print(f"decode batch 1          {res['decode_tok_s_b1']:.1f} tok/s")
     print(f"decode batch 8          {res['decode_tok_s_b8']:.1f} tok/s")
+    if "long_decode_ms" in res:
+        print(f"decode step at {res['long_context']} ctx {res['long_decode_ms']:.2f} ms "
+              f"({res['long_decode_ms'] / res['verify_ms'][1]:.2f}x the step at {res['context']})")
     print(f"peak RSS                {res['peak_rss_mb']:.0f} MB")
+    if "llama_cpp" in res:
+        from benchmarks.model_peer_run import report_llama_cpp
+
+        report_llama_cpp(res)
     if "transformers_fp32_decode_tok_s_b1" in res:
         hf = res["transformers_fp32_decode_tok_s_b1"]
         print("transformers fp32 b1    " + ("not installed" if hf is None else f"{hf:.1f} tok/s ({res['decode_tok_s_b1'] / hf:.2f}x ours)"))

@@ -2,7 +2,7 @@
 
     speculant bench peers --per-category 2 --max-tokens 96 --out results/peers/
 
-In one process, on the same GGUF file and the same prompts (the built-in suite or `--prompts`),
+On the same GGUF file and the same prompts (the built-in suite or `--prompts`),
 greedy, up to `--max-tokens` each, with `--threads` compute threads:
 - llama.cpp (llama-cpp-python), plain and with its prompt-lookup decoding;
 - transformers (fp32 on the CPU), plain and with `prompt_lookup_num_tokens`;
@@ -16,7 +16,10 @@ token after the first), the decode ratio to Speculant's best and plain modes, an
 system's speculative outputs equal its own plain outputs. Ratios use decode speed because the
 systems treat a repeated prompt differently (Speculant's prefix cache holds every prompt after
 the warm-up, llama.cpp reuses the previous prompt's common prefix, transformers recomputes it).
-A peer that is not installed is reported as such and skipped.
+A peer that is not installed is reported as such and skipped. Each peer runs in its own process
+(`benchmarks.peer_child`): one that crashes (a llama.cpp built for another CPU) is reported as
+"crashed (signal N)" and the run goes on. The report names the CPU, its vector extensions and the
+kernel path Speculant took.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from importlib import metadata
 from types import SimpleNamespace
 
 from benchmarks import spec
+from benchmarks.isolated import run_isolated
 from benchmarks.peers_report import format_markdown, format_table, make_rows
 from benchmarks.peers_systems import LOOKUP_TOKENS, PEERS, PeerOptions, PromptRun
 from benchmarks.prompts import BenchPrompt
@@ -150,6 +154,22 @@ def run_peer(name: str, opts: PeerOptions, texts: dict[str, str], our_ids: dict[
             "modes": out_modes, "outputs": {mode: {r.prompt_id: r.output for r in rs} for mode, rs in runs.items()}}
 
 
+def run_peer_isolated(name: str, opts: PeerOptions, texts: dict[str, str], our_ids: dict[str, list[int]],
+                      max_tokens: int) -> dict:
+    """`run_peer` in a child process (benchmarks/peer_child.py); a crash becomes the peer's status."""
+    missing = PEERS[name]().missing()  # asked here: cheap, and no child for a peer that is not there
+    if missing:
+        return {"system": name, "status": missing}
+    job = {"name": name, "model_path": str(opts.model_path), "threads": opts.threads,
+           "max_model_len": opts.max_model_len, "num_lookup_tokens": opts.num_lookup_tokens,
+           "texts": texts, "our_ids": our_ids, "max_tokens": max_tokens}
+    result = run_isolated("benchmarks.peer_child", job)
+    if isinstance(result, str):
+        print(f"speculant bench peers: {name} {result}", file=sys.stderr)
+        return {"system": name, "status": result}
+    return result
+
+
 def time_peer(peer, modes: list[str], texts: dict[str, str], max_tokens: int) -> dict[str, list[PromptRun]]:
     """Every prompt in every mode, the modes alternating prompt by prompt, after one warm-up per mode."""
     first_id, first_text = next(iter(texts.items()))
@@ -189,7 +209,7 @@ def run(args, peers: list[str], prompts: list[BenchPrompt]) -> dict:
     texts, our_ids = render_prompts(model_path, prompts)
     systems = [run_speculant(args, prompts)]
     opts = PeerOptions(model_path, args.threads, args.max_model_len, args.num_speculative_tokens or LOOKUP_TOKENS)
-    systems += [run_peer(name, opts, texts, our_ids, args.max_tokens) for name in peers]
+    systems += [run_peer_isolated(name, opts, texts, our_ids, args.max_tokens) for name in peers]
     config = {"model": args.model, "model_path": str(model_path), "max_tokens": args.max_tokens,
               "threads": args.threads, "temperature": 0.0, "num_prompts": len(prompts),
               "prompts": {p.prompt_id: p.category for p in prompts}, "load_avg_1m_before": round(load_before, 2),

@@ -73,8 +73,11 @@ def format_table(result: dict) -> str:
 def _setup(result: dict) -> str:
     cfg = result["config"]
     threads = cfg["threads"] or f"all ({cfg['machine']['cpu_count']})"
+    m = cfg["machine"]
+    cpu = (f"CPU {m.get('cpu_model', '?')} ({m.get('llvm_cpu', '?')}; {' '.join(m.get('cpu_flags', []))}), "
+           f"Speculant kernel path {m.get('kernel_path', '?')}")
     return (f"model {cfg['model']}, {cfg['num_prompts']} prompts, greedy, max_tokens {cfg['max_tokens']}, "
-            f"threads {threads}, 1-min load before {cfg['load_avg_1m_before']}")
+            f"threads {threads}, 1-min load before {cfg['load_avg_1m_before']}\n{cpu}")
 
 
 def _prompt_id_notes(result: dict) -> list[str]:

@@ -236,10 +236,30 @@ def _spec_dict(engine) -> dict | None:
             "max_draft_tokens_per_step": spec.max_draft_tokens_per_step, "options": dict(spec.options)}
 
 
-def machine_info() -> dict:
-    import numba
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "amx_tile", "amx_int8")
 
-    return {"cpu_count": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+
+def machine_info() -> dict:
+    """The CPU (model, the vector extensions that matter here, LLVM's name) and Speculant's kernel path."""
+    import numba
+    from llvmlite import binding as llvm
+
+    from engine.kernels.int_linear import host_path
+
+    model, flags = "unknown", set()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_flags": [f for f in ISA_FLAGS if f in flags], "llvm_cpu": llvm.get_host_cpu_name(),
+            "kernel_path": host_path(), "cpu_count": os.cpu_count(), "numba_threads": numba.get_num_threads(),
             "load_avg_1m": round(os.getloadavg()[0], 2)}
 
 

@@ -7,10 +7,12 @@ test is skipped where its package is missing.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
 
+from benchmarks.isolated import exit_status
 from benchmarks.peers import main
 from benchmarks.peers_systems import NOT_INSTALLED, PEERS
 
@@ -96,6 +98,13 @@ def test_transformers_plain_and_prompt_lookup(request):
     ids = _system(result, "transformers")["outputs"]["plain"][PROMPT["id"]]
     assert all(isinstance(t, int) for t in ids)  # compared as token ids
     assert "| transformers | prompt lookup K=10 |" in md
+
+
+def test_a_crashing_child_is_reported_with_its_signal():
+    """A peer runs in its own process; one that dies of a signal is named as crashed, not fatal."""
+    crash = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"])  # a real SIGSEGV
+    assert exit_status(crash.returncode) == "crashed (signal 11, SIGSEGV)"
+    assert exit_status(3) == "failed (exit status 3)"
 
 
 @pytest.mark.parametrize("argv, flag", [
