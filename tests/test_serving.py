@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
+import pathlib
 import signal
 import subprocess
 import sys
@@ -199,27 +199,23 @@ def test_worker_rejoins_a_restarted_gateway(cluster, client, model):
     assert reply.usage.completion_tokens >= 1
 
 
-def test_honcho_runs_the_procfile(tmp_path, model_path):
+def test_honcho_runs_the_procfile_with_two_engines(tmp_path, model_path):
+    """`honcho start -c engine=2` from an activated venv (the README's setup): one gateway, two workers."""
     port = free_port()
     (tmp_path / ".env").write_text(
         f"PYTHONUNBUFFERED=1\nSPECULANT_PORT={port}\nSPECULANT_ENGINE_ENDPOINT=tcp://127.0.0.1:{free_port()}\n"
-        f"SPECULANT_MODEL={model_path}\nSPECULANT_ENGINE_ARGS='{' '.join(ENGINE_ARGS)}'\n"
-        f"PYTHONPATH={REPO}\n")
-    env = dict(os.environ)
-    if shutil.which("speculant") is None:  # source checkout: the console script is not installed
-        (tmp_path / "bin").mkdir()
-        shim = tmp_path / "bin" / "speculant"
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m engine.cli "$@"\n')
-        shim.chmod(0o755)
-        env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
+        f"SPECULANT_MODEL={model_path}\nSPECULANT_ENGINE_ARGS='{' '.join(ENGINE_ARGS)}'\n")
+    venv_bin = pathlib.Path(sys.prefix) / "bin"
+    assert (venv_bin / "speculant").exists(), "the console script is missing: pip install -e . (README)"
+    env = {**os.environ, "VIRTUAL_ENV": sys.prefix, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}"}
     with open(tmp_path / "honcho.log", "wb") as log:
-        honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(REPO / "Procfile"),
+        honcho = subprocess.Popen([str(venv_bin / "honcho"), "start", "-c", "engine=2", "-f", str(REPO / "Procfile"),
                                    "-d", str(REPO), "-e", str(tmp_path / ".env")],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT
-        while http(f"{url}/health")[0] != 200:
+        while (health := http(f"{url}/health"))[0] != 200 or health[1]["workers"] < 2:
             assert honcho.poll() is None and time.monotonic() < deadline, (tmp_path / "honcho.log").read_text()
             time.sleep(0.5)
         status, body, _ = http(f"{url}/v1/completions", {"prompt": "Hello", "max_tokens": 4})
@@ -232,6 +228,6 @@ def test_honcho_runs_the_procfile(tmp_path, model_path):
             honcho.kill()
             pytest.fail("honcho did not stop within 15 s of SIGTERM")
     text = (tmp_path / "honcho.log").read_text()
-    assert "gateway.1" in text and "engine.1" in text
+    assert "gateway.1" in text and "engine.1" in text and "engine.2" in text
     assert "sending SIGKILL" not in text  # both processes stopped within honcho's 5 s
 
