@@ -44,55 +44,33 @@ def wbytes(typingctx, arr, idx):
     return _u8(1)(arr, idx), codegen
 
 
-@_intrinsic
-def xbcast(typingctx, arr, idx, stride, tt):
-    """For each of tt tokens, the 4 int8 at arr[idx + t * stride:][:4] repeated in 16 lanes."""
-    n = _literal(tt)
+def _token_loader(elem, vec, name, doc, as_bytes=False):
+    """An intrinsic (arr, idx, stride, tt): per token t, one `elem` at idx + t * stride in all 16 lanes
+    (as_bytes: an unaligned 4-byte word, handed back as its 64 bytes)."""
 
-    def codegen(context, builder, sig, args):
-        i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
+    def load(typingctx, arr, idx, stride, tt):
+        n = _literal(tt)
 
-        def piece(t):
-            word = builder.load(_addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), _I32), align=1)
-            return _splat(builder, word, _i32(1).llvm())
+        def codegen(context, builder, sig, args):
+            i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
 
-        return builder.bitcast(_per_token(builder, n, piece), _u8(n).llvm())
+            def piece(t):
+                ptr = _addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), elem)
+                return _splat(builder, builder.load(ptr, align=1 if as_bytes else None), vec(1).llvm())
 
-    return _u8(n)(arr, idx, stride, tt), codegen
+            v = _per_token(builder, n, piece)
+            return builder.bitcast(v, _u8(n).llvm()) if as_bytes else v
 
+        return (_u8 if as_bytes else vec)(n)(arr, idx, stride, tt), codegen
 
-@_intrinsic
-def tok_f32(typingctx, arr, idx, stride, tt):
-    """For each of tt tokens, the float32 arr[idx + t * stride] in all 16 lanes."""
-    n = _literal(tt)
-
-    def codegen(context, builder, sig, args):
-        i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
-
-        def piece(t):
-            v = builder.load(_addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), _F32))
-            return _splat(builder, v, _f32(1).llvm())
-
-        return _per_token(builder, n, piece)
-
-    return _f32(n)(arr, idx, stride, tt), codegen
+    load.__doc__, load.__name__ = doc, name
+    return _intrinsic(load)
 
 
-@_intrinsic
-def tok_i32(typingctx, arr, idx, stride, tt):
-    """For each of tt tokens, the int32 arr[idx + t * stride] in all 16 lanes."""
-    n = _literal(tt)
-
-    def codegen(context, builder, sig, args):
-        i, s = _int_arg(builder, args[1]), _int_arg(builder, args[2])
-
-        def piece(t):
-            v = builder.load(_addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), _I32))
-            return _splat(builder, v, _i32(1).llvm())
-
-        return _per_token(builder, n, piece)
-
-    return _i32(n)(arr, idx, stride, tt), codegen
+xbcast = _token_loader(_I32, _i32, "xbcast", "For each of tt tokens, the 4 int8 at arr[idx + t * stride:][:4] "
+                       "repeated in 16 lanes.", as_bytes=True)
+tok_f32 = _token_loader(_F32, _f32, "tok_f32", "For each of tt tokens, the float32 arr[idx + t * stride] in all 16 lanes.")
+tok_i32 = _token_loader(_I32, _i32, "tok_i32", "For each of tt tokens, the int32 arr[idx + t * stride] in all 16 lanes.")
 
 
 def _row_loader(src_elem, convert, doc):

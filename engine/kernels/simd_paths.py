@@ -79,6 +79,22 @@ def _add_s8(path, builder, acc, w, x):
     return builder.add(acc, _dot4_generic(builder, w, x, signed_w=True))
 
 
+def _per_token_dot(add_one, path: str, per_token: int, doc: str):
+    """An intrinsic (acc, w, x) that applies add_one(path, builder, acc_t, w, x_t) to each token t."""
+
+    def dot(typingctx, acc, w, x):
+        n = _tokens(acc, per_token)
+
+        def codegen(context, builder, sig, args):
+            accs, xs = _split(builder, args[0], n), _split(builder, args[2], n)
+            return _concat(builder, [add_one(path, builder, a, args[1], xt) for a, xt in zip(accs, xs)])
+
+        return acc(acc, w, x), codegen
+
+    dot.__doc__, dot.__name__ = doc, f"{add_one.__name__.strip('_')}_{path}"
+    return _intrinsic(dot)
+
+
 def _make_path_ops(path: str) -> dict:
     """acc_zero / acc_add / acc_i32 (unsigned weight bytes) and dot_s8 (signed) for one path."""
     acc_of = _i16 if path == "avx2" else _i32
@@ -89,16 +105,8 @@ def _make_path_ops(path: str) -> dict:
         n = _literal(tt)
         return acc_of(n)(tt), lambda context, builder, sig, args: ir.Constant(acc_of(n).llvm(), [0] * per_token * n)
 
-    @_intrinsic
-    def acc_add(typingctx, acc, w, x):
-        """acc + 4-dots of unsigned weight bytes w (U8x64) with each token's activations x."""
-        n = _tokens(acc, per_token)
-
-        def codegen(context, builder, sig, args):
-            accs, xs = _split(builder, args[0], n), _split(builder, args[2], n)
-            return _concat(builder, [_add_u8(path, builder, a, args[1], xt) for a, xt in zip(accs, xs)])
-
-        return acc(acc, w, x), codegen
+    acc_add = _per_token_dot(_add_u8, path, per_token,
+                             "acc + 4-dots of unsigned weight bytes w (U8x64) with each token's activations x.")
 
     @_intrinsic
     def acc_i32(typingctx, acc):
@@ -111,16 +119,8 @@ def _make_path_ops(path: str) -> dict:
 
         return _i32(n)(acc), codegen
 
-    @_intrinsic
-    def dot_s8(typingctx, acc, w, x):
-        """acc (i32) + 4-dots of signed weight bytes w with each token's activations x."""
-        n = _tokens(acc, LANES)
-
-        def codegen(context, builder, sig, args):
-            accs, xs = _split(builder, args[0], n), _split(builder, args[2], n)
-            return _concat(builder, [_add_s8(path, builder, a, args[1], xt) for a, xt in zip(accs, xs)])
-
-        return acc(acc, w, x), codegen
+    dot_s8 = _per_token_dot(_add_s8, path, LANES,
+                            "acc (i32) + 4-dots of signed weight bytes w with each token's activations x.")
 
     return {"acc_zero": acc_zero, "acc_add": acc_add, "acc_i32": acc_i32, "dot_s8": dot_s8}
 
