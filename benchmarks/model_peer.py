@@ -56,10 +56,13 @@ def _decode_ms(llm, ids: list[int], num_tokens: int) -> float:
     """Mean ms per greedy token, one eval per token, after the prompt `ids`."""
     import numpy as np
 
+    def last_logits():  # the last evaluated token's logits (eval keeps no copy without logits_all)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
     _at(llm, ids)
     start = time.perf_counter()
     for _ in range(num_tokens):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        llm.eval([int(np.argmax(last_logits()))])
     return 1000 * (time.perf_counter() - start) / num_tokens
 
 
