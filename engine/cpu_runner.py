@@ -83,10 +83,12 @@ def kv_dtype_name(kv_cache_dtype: str, numerics: str, cfg: ModelConfig, block_si
     return kv_cache_dtype
 
 
-class CpuRunner:
+class CpuRunner:  # implements engine.runner_api.ModelRunner
     """`numerics`: "int8" (integer weight products on int8-quantized activations) or "exact"
     (strict float32); `num_layers` < the model's keeps only its first layers (a self-speculative
     draft); `weights_from` shares another runner's packed weights instead of packing them again."""
+
+    provides_hidden_states = True
 
     def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0,
                  num_layers: int | None = None, weights_from: "CpuRunner | None" = None, numerics: str = "int8",

@@ -14,6 +14,7 @@ from engine.block_manager import BlockManager
 from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.gguf_loader import GGUFModel
 from engine.model_files import resolve_model
+from engine.runner_api import ModelRunner
 from engine.scheduler import Scheduler
 from engine.spec_control import DraftController
 from engine.tokenizer import Tokenizer
@@ -92,13 +93,13 @@ def make_runner(model: GGUFModel, cache: CacheConfig, args):
                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
-def bind_proposer(proposer, model: GGUFModel, runner, cache: CacheConfig) -> None:
+def bind_proposer(proposer, model: GGUFModel, runner: ModelRunner, cache: CacheConfig) -> None:
     """Give a proposer the target (model-based ones load weights here); turn on hidden-state capture."""
     from proposers.base import TargetModel
 
-    proposer.bind_target(TargetModel(model, runner, cache, getattr(runner, "numerics", "exact")))
+    proposer.bind_target(TargetModel(model, runner, cache, runner.numerics))
     if proposer.uses_hidden_states:
-        if not hasattr(runner, "capture_hidden"):
+        if not runner.provides_hidden_states:
             raise ValueError(f"speculative_config.method: {type(proposer).__name__} needs the target's hidden "
                              f"states, which the {type(runner).__name__} backend does not provide")
         runner.capture_hidden = True

@@ -181,7 +181,7 @@ class LLMEngine:
                                       lambda: self.runner.hidden_states(first_row + num_true)[first_row:])
 
     def runner_captures_hidden(self) -> bool:
-        return getattr(self.runner, "capture_hidden", False)
+        return self.runner.capture_hidden
 
     @property
     def proposer(self):

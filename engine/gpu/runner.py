@@ -27,7 +27,11 @@ DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 RESERVED_BYTES = 512 << 20  # CUDA graphs, cuBLAS, kernel images, allocator slack
 
 
-class GpuRunner:
+class GpuRunner:  # implements engine.runner_api.ModelRunner
+    provides_hidden_states = False
+    numerics = "exact"  # what a proposer's CPU kernels use beside this runner
+    capture_hidden = False
+
     def __init__(self, model: GGUFModel, cache: CacheConfig, *, dtype: str = "float16",
                  gpu_memory_utilization: float | None = None, batch_invariant: bool = False,
                  cuda_graphs: bool = True, graph_sizes=DEFAULT_GRAPH_SIZES, kv_partition_size: int = 256):
