@@ -64,7 +64,7 @@ def median_ms(fn, repeats: int, sync) -> float:
 
 def prefill(runner, num_reqs: int, context: int) -> list[list[int]]:
     """Give `num_reqs` requests `context` cached tokens each (disjoint blocks); returns their tables."""
-    from engine.cpu_runner import ForwardBatch
+    from engine.model.cpu_runner import ForwardBatch
 
     per = -(-(context + 32) // runner.cache.block_size)
     if per * num_reqs > runner.cache.num_blocks:
@@ -82,7 +82,7 @@ def prefill(runner, num_reqs: int, context: int) -> list[list[int]]:
 
 
 def step_latency(runner, context: int, repeats: int) -> dict:
-    from engine.cpu_runner import ForwardBatch
+    from engine.model.cpu_runner import ForwardBatch
 
     out, sync = {}, runner.stream.synchronize
     tables = prefill(runner, max(BATCHES), context)
@@ -96,7 +96,7 @@ def step_latency(runner, context: int, repeats: int) -> dict:
 
 
 def verify_curve(runner, context: int, repeats: int) -> dict:
-    from engine.cpu_runner import ForwardBatch
+    from engine.model.cpu_runner import ForwardBatch
 
     (table,) = prefill(runner, 1, context)
     out = {}
@@ -123,7 +123,7 @@ def copy_bandwidth_gbs(cp, nbytes: int = 1 << 30) -> float:
 
 def attention_bandwidth(runner, cp, context: int, batch: int, repeats: int) -> dict:
     """Layer-0 append attention for `batch` decode queries over `context` keys each."""
-    from engine.cpu_runner import ForwardBatch
+    from engine.model.cpu_runner import ForwardBatch
 
     tables = prefill(runner, batch, context)
     fb = ForwardBatch(runner.cache)
@@ -152,7 +152,7 @@ def attention_bandwidth(runner, cp, context: int, batch: int, repeats: int) -> d
 
 def decode_rate(eng, prompt_ids, batch: int, num_tokens: int) -> float:
     from engine.generate import generate
-    from engine.protocol import SamplingParams
+    from engine.serving.protocol import SamplingParams
 
     generate(eng, [prompt_ids], SamplingParams(max_tokens=2, temperature=0.0))
     start = time.perf_counter()
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from engine.llm_engine import LLMEngine
-    from engine.model_files import resolve_model
+    from engine.model.model_files import resolve_model
 
     eng = LLMEngine.from_args(engine_args(args))
     runner = eng.runner

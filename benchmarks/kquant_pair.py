@@ -77,7 +77,7 @@ def quantize(src: pathlib.Path, dst: pathlib.Path, ftype: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from engine.model_files import resolve_model
+    from engine.model.model_files import resolve_model
 
     out = pathlib.Path(argv[0] if argv else "kquant-pair")
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ def load_weight_sets(model: str, kinds) -> dict[str, list]:
     import gguf
 
     from engine.kernels.linear import pack_f32, pack_gguf_tensor
-    from engine.model_files import resolve_model
+    from engine.model.model_files import resolve_model
 
     reader = gguf.GGUFReader(resolve_model(model))
     tensors = {t.name: t for t in reader.tensors}

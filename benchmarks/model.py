@@ -77,7 +77,7 @@ def engine_args(args, max_tokens):
 
 def verify_curve(runner, context: int, repeats: int, ts=VERIFY_TS) -> dict[int, float]:
     """Median ms of a forward that appends T tokens on top of `context` cached tokens."""
-    from engine.cpu_runner import ForwardBatch
+    from engine.model.cpu_runner import ForwardBatch
 
     fb = ForwardBatch(runner.cache)
     table = list(range(-(-(context + 16) // runner.cache.block_size)))  # blocks 0.. hold this context
@@ -99,7 +99,7 @@ def verify_curve(runner, context: int, repeats: int, ts=VERIFY_TS) -> dict[int, 
 
 def decode_rate(eng, prompt_ids, batch: int, num_tokens: int) -> float:
     from engine.generate import generate
-    from engine.protocol import SamplingParams
+    from engine.serving.protocol import SamplingParams
 
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     generate(eng, [prompt_ids], SamplingParams(max_tokens=2, temperature=0.0))  # prefix cache + JIT warm
@@ -112,7 +112,7 @@ def decode_rate(eng, prompt_ids, batch: int, num_tokens: int) -> float:
 def prefill_rate(eng, num_tokens: int, repeats: int = 3) -> float:
     """Tokens/s of prefilling a fresh prompt (best of `repeats`, after one untimed warm-up)."""
     from engine.generate import generate
-    from engine.protocol import SamplingParams
+    from engine.serving.protocol import SamplingParams
 
     rng = np.random.default_rng(0)
     times = []
@@ -142,7 +142,7 @@ def run(args, progress: bool = False) -> dict:
     """Every measurement of this benchmark, as one dict (`progress`: a tqdm bar over the stages)."""
     from benchmarks.spec import machine_info
     from engine.llm_engine import LLMEngine
-    from engine.model_files import resolve_model
+    from engine.model.model_files import resolve_model
 
     eng = LLMEngine.from_args(engine_args(args, args.decode_tokens))
     runner = eng.runner

@@ -190,7 +190,7 @@ def _progress(items, desc: str):
 
 def render_prompts(model_path: pathlib.Path, prompts: list[BenchPrompt]) -> tuple[dict, dict]:
     """prompt id -> text rendered with our chat template, and -> our token ids of that text."""
-    from engine.tokenizer import Tokenizer
+    from engine.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(model_path)
     texts = {p.prompt_id: tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in p.messages])
@@ -202,7 +202,7 @@ def render_prompts(model_path: pathlib.Path, prompts: list[BenchPrompt]) -> tupl
 
 
 def run(args, peers: list[str], prompts: list[BenchPrompt]) -> dict:
-    from engine.model_files import resolve_model
+    from engine.model.model_files import resolve_model
 
     load_before = os.getloadavg()[0]
     model_path = resolve_model(args.model)

@@ -22,7 +22,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from engine.protocol import ChatMessage
+from engine.serving.protocol import ChatMessage
 
 SUITE_DIR = pathlib.Path(__file__).resolve().parent / "prompt_suite"
 BUILTIN_CATEGORIES = ("code_edit", "extraction", "open_chat", "agent_json")

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from engine.spec_config import SpeculativeConfig
+from engine.spec_decode.spec_config import SpeculativeConfig
 from proposers.base import DraftRequest
 from proposers.ngram import NgramProposer
 from proposers.suffix import SuffixProposer

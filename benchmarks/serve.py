@@ -33,7 +33,7 @@ import msgspec
 from benchmarks.prompts import builtin_prompts, load_prompts
 from benchmarks.serve_load import run_level, summarize
 from benchmarks.serve_servers import LocalServers, wait_ready
-from engine.protocol import SamplingParams
+from engine.serving.protocol import SamplingParams
 
 DEFAULT_LEVELS = "1,4,16,64"
 
@@ -75,7 +75,7 @@ def check(args) -> list[int]:
     if args.url and args.speculative_config:
         raise ValueError("--speculative-config: configures the worker this command starts; drop --url")
     if args.speculative_config:
-        from engine.spec_config import parse_speculative_config
+        from engine.spec_decode.spec_config import parse_speculative_config
 
         parse_speculative_config(args.speculative_config)  # raises ValueError naming the field
     return levels

@@ -17,7 +17,7 @@ import time
 import aiohttp
 import numpy as np
 
-from engine.protocol import ChatMessage
+from engine.serving.protocol import ChatMessage
 
 
 @dataclasses.dataclass(slots=True)

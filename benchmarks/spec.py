@@ -34,7 +34,7 @@ import numpy as np
 from benchmarks import report
 from benchmarks.prompts import BenchPrompt, builtin_prompts, by_category, load_prompts, select
 from benchmarks.spec_timing import block_raw, instrument, reset_proposer
-from engine.protocol import Generate, SamplingParams
+from engine.serving.protocol import Generate, SamplingParams
 
 DEFAULT_METHODS = "none,naive,ngram,suffix"
 WARMUP_TOKENS = 16
@@ -65,7 +65,7 @@ def parse(argv):
 
 def method_configs(names: str, json_methods: list[str], num_speculative_tokens: int | None) -> dict[str, dict | None]:
     """label -> speculative config dict (None = plain decoding); the baseline `none` comes first."""
-    from engine.spec_config import parse_speculative_config
+    from engine.spec_decode.spec_config import parse_speculative_config
 
     configs: dict[str, dict | None] = {"none": None}
     for name in [n.strip() for n in names.split(",") if n.strip()]:

@@ -101,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"benchmarks.{args.what}")
         return int(module.main(args.rest) or 0)
     handlers = {
-        "engine": ("engine.worker", "main"),
+        "engine": ("engine.serving.worker", "main"),
         "gateway": ("gateway.server", "main"),
-        "fetch-model": ("engine.model_files", "cli_fetch"),
+        "fetch-model": ("engine.model.model_files", "cli_fetch"),
         "proposers": ("proposers.registry", "cli_list"),
-        "keygen": ("engine.zmq_security", "cli_keygen"),
+        "keygen": ("engine.serving.zmq_security", "cli_keygen"),
         "generate": ("engine.generate", "cli_generate"),
     }
     import importlib

@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from engine.block_manager import BlockManager
-from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
-from engine.gguf_loader import GGUFModel
-from engine.model_files import resolve_model
-from engine.runner_api import ModelRunner
-from engine.scheduler import Scheduler
-from engine.spec_control import DraftController
-from engine.tokenizer import Tokenizer
+from engine.core.block_manager import BlockManager
+from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+from engine.model.gguf_loader import GGUFModel
+from engine.model.model_files import resolve_model
+from engine.model.runner_api import ModelRunner
+from engine.core.scheduler import Scheduler
+from engine.spec_decode.spec_control import DraftController
+from engine.model.tokenizer import Tokenizer
 
 log = logging.getLogger("speculant.engine")
 
@@ -108,7 +108,7 @@ def bind_proposer(proposer, model: GGUFModel, runner: ModelRunner, cache: CacheC
 def build_engine_parts(args) -> EngineParts:
     spec = None
     if getattr(args, "speculative_config", None):
-        from engine.spec_config import parse_speculative_config
+        from engine.spec_decode.spec_config import parse_speculative_config
 
         spec = parse_speculative_config(args.speculative_config)
     path = resolve_model(args.model)

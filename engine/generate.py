@@ -6,7 +6,7 @@ import itertools
 import sys
 from dataclasses import dataclass, field
 
-from engine.protocol import ChatMessage, Generate, SamplingParams
+from engine.serving.protocol import ChatMessage, Generate, SamplingParams
 
 _ids = itertools.count()
 

@@ -17,14 +17,14 @@ import numpy as np
 
 from engine.engine_setup import EngineParts, build_engine_parts
 from engine.errors import InvalidRequest
-from engine.output_processor import OutputState, make_output
-from engine.protocol import Generate, Output, WorkerStats
-from engine.proposer_pool import ProposerPool
-from engine.request_input import prompt_token_ids, validate_params
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
-from engine.spec_log import SpecLogger
-from engine.step_batch import StepBatch
+from engine.core.output_processor import OutputState, make_output
+from engine.serving.protocol import Generate, Output, WorkerStats
+from engine.spec_decode.proposer_pool import ProposerPool
+from engine.core.request_input import prompt_token_ids, validate_params
+from engine.core.scheduler import ScheduledSeq
+from engine.core.sequence import Sequence
+from engine.spec_decode.spec_log import SpecLogger
+from engine.spec_decode.step_batch import StepBatch
 
 log = logging.getLogger("speculant.engine")
 

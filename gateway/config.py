@@ -9,8 +9,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from engine import zmq_security
-from engine.protocol import DEFAULT_ENDPOINT
+from engine.serving import zmq_security
+from engine.serving.protocol import DEFAULT_ENDPOINT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from engine import protocol, zmq_security
+from engine.serving import protocol, zmq_security
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics, RequestTiming

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine import protocol
+from engine.serving import protocol
 
 
 def error_type_for(status: int) -> str:

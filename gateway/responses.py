@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from engine import protocol
+from engine.serving import protocol
 from gateway.validation import RequestOptions
 
 

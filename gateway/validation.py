@@ -12,7 +12,7 @@ import re
 
 import msgspec
 
-from engine import protocol
+from engine.serving import protocol
 from gateway.errors import OpenAIError, bad_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 

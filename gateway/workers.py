@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine import protocol
+from engine.serving import protocol
 from gateway.errors import OpenAIError
 
 

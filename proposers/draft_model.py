@@ -64,10 +64,10 @@ class DraftModelProposer(Proposer):
         self.rng = np.random.default_rng(0)
 
     def bind_target(self, target: TargetModel) -> None:
-        from engine.block_manager import BlockManager
-        from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
-        from engine.gguf_loader import GGUFModel
-        from engine.model_files import resolve_model
+        from engine.core.block_manager import BlockManager
+        from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+        from engine.model.gguf_loader import GGUFModel
+        from engine.model.model_files import resolve_model
 
         if self.options.draft_layers is not None:
             draft, layers = target.model, self.options.draft_layers

@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--skip-logits", action="store_true")
     args = parser.parse_args()
     if args.model is None:
-        from engine.model_files import resolve_model
+        from engine.model.model_files import resolve_model
 
         args.model = resolve_model("smollm2-135m")
     model_path = pathlib.Path(args.model).resolve()

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.model_files import resolve_model
-from engine.tokenizer import Tokenizer
+from engine.model.model_files import resolve_model
+from engine.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +71,7 @@ def small_budget_engine(model_path):
 @pytest.fixture(scope="session")
 def tiny_cache_engine(model_path):
     """Eight KV blocks for six requests: the scheduler must preempt."""
-    from engine.cpu_runner import CpuRunner
+    from engine.model.cpu_runner import CpuRunner
     from engine.llm_engine import LLMEngine
 
     per_block = CpuRunner.kv_bytes_per_block(_smollm_config(model_path), 16)
@@ -79,7 +79,7 @@ def tiny_cache_engine(model_path):
 
 
 def _smollm_config(path):
-    from engine.gguf_loader import GGUFModel
+    from engine.model.gguf_loader import GGUFModel
 
     return GGUFModel(path).config
 

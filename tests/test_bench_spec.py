@@ -12,7 +12,7 @@ from benchmarks import report
 from benchmarks.prompts import BUILTIN_CATEGORIES, builtin_prompts, load_prompts, parse_record, select
 from benchmarks.spec import main, method_configs, run_spec_bench, share_verify_curve
 from engine.generate import generate
-from engine.protocol import SamplingParams
+from engine.serving.protocol import SamplingParams
 
 MAX_TOKENS = 6
 METHODS = {"ngram": {"method": "ngram", "num_speculative_tokens": 4},

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.model.detokenizer import IncrementalDetokenizer
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "fixtures" / "tokenizer_golden.json").read_text())
 VALID_TEXTS = [c["text"] for c in GOLDEN["texts"] if c["roundtrip"] and c["text"]] + [

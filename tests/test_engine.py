@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.generate import generate
-from engine.protocol import ChatMessage, SamplingParams
+from engine.serving.protocol import ChatMessage, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

@@ -8,7 +8,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine import protocol
+from engine.serving import protocol
 from gateway import sse
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics

@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine import protocol
+from engine.serving import protocol
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 

@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
-from engine.gguf_loader import GGUFModel
+from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+from engine.model.gguf_loader import GGUFModel
 
 HP = dict(layers=2, hidden=64, inter=96, heads=4, kv_heads=2, vocab=300, theta=10000.0, eps=1e-5)
 

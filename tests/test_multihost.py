@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from servers import Cluster, Stream, http
 
-from engine import zmq_security
+from engine.serving import zmq_security
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 ZMQ_PORT = 5557  # inside the gateway's namespace nothing else listens

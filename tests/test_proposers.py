@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from engine.spec_config import SpeculativeConfig
+from engine.spec_decode.spec_config import SpeculativeConfig
 from proposers.base import DraftRequest
 from proposers.naive import NaiveProposer
 from proposers.ngram import NgramProposer

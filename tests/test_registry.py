@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import proposers.registry as registry_module
-from engine.spec_config import SpeculativeConfig, parse_speculative_config
+from engine.spec_decode.spec_config import SpeculativeConfig, parse_speculative_config
 from proposers.base import DraftRequest
 from proposers.ngram import NgramProposer
 from proposers.registry import ALLOWLIST_ENV, GROUP, ProposerRegistry
@@ -175,7 +175,7 @@ def test_pip_installed_plugin_is_found_and_works(example_installed):
 def test_engine_generates_with_the_pip_installed_plugin(example_installed, engine, make_engine):
     """A third-party proposer serves through the unchanged engine, and greedy output stays lossless."""
     from engine.generate import generate
-    from engine.protocol import SamplingParams
+    from engine.serving.protocol import SamplingParams
 
     # The process-wide registry is built once per process; a server started after the
     # pip install would build it fresh, as this does.

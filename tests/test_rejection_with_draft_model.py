@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import engine_args
-from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.generate import generate
-from engine.gguf_loader import GGUFModel
+from engine.model.gguf_loader import GGUFModel
 from engine.llm_engine import LLMEngine
-from engine.protocol import SamplingParams
+from engine.serving.protocol import SamplingParams
 from tiny_models import write_tiny_llama
 
 PROMPT = [1, 504, 3458, 282, 253, 42]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.cpu_runner import ForwardBatch
+from engine.model.cpu_runner import ForwardBatch
 
 
 class Harness:

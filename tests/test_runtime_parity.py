@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.cpu_runner import ForwardBatch
+from engine.model.cpu_runner import ForwardBatch
 
 GOLDEN = np.load(Path(__file__).parent / "fixtures" / "logits_golden.npz")
 NAMES = [str(n) for n in GOLDEN["prompt_names"]]

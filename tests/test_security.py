@@ -21,7 +21,7 @@ import zmq.auth
 from servers import MAX_MODEL_LEN, REPO, free_port, gateway_and_worker, http
 from zmq.utils.monitor import parse_monitor_message
 
-from engine import protocol, zmq_security
+from engine.serving import protocol, zmq_security
 
 pytestmark = pytest.mark.slow
 KEYS = ("key-one-7f3a", "key-two-91bc")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-SERVING = ["engine.worker", "engine.llm_engine", "gateway.server", "gateway.app", "proposers.draft_model",
+SERVING = ["engine.serving.worker", "engine.llm_engine", "gateway.server", "gateway.app", "proposers.draft_model",
            "proposers.heads.eagle", "proposers.heads.mtp", "proposers.heads.medusa", "proposers.registry"]
 
 

@@ -1,11 +1,11 @@
-"""engine.spec_config: parsing, defaults and a ValueError naming the field for each bad input."""
+"""engine.spec_decode.spec_config: parsing, defaults and a ValueError naming the field for each bad input."""
 
 import dataclasses
 from importlib.metadata import EntryPoint
 
 import pytest
 
-from engine.spec_config import SpeculativeConfig, parse_speculative_config
+from engine.spec_decode.spec_config import SpeculativeConfig, parse_speculative_config
 from proposers.naive import NaiveProposer
 from proposers.ngram import NgramProposer
 from proposers.registry import GROUP, ProposerRegistry

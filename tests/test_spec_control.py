@@ -4,9 +4,9 @@ and how the sources of a hybrid proposer are judged apart."""
 import numpy as np
 import pytest
 
-from engine.protocol import SamplingParams
-from engine.sequence import Sequence
-from engine.spec_control import PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, DraftController, SourceStats
+from engine.serving.protocol import SamplingParams
+from engine.core.sequence import Sequence
+from engine.spec_decode.spec_control import PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, DraftController, SourceStats
 
 LINEAR_COST = np.arange(10, dtype=np.float64)  # verify_cost[T] = T: a verify of T tokens costs T plain steps
 FLAT_COST = np.ones(10)  # verifying T tokens costs one plain step

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.generate import generate
-from engine.protocol import ChatMessage, SamplingParams
+from engine.serving.protocol import ChatMessage, SamplingParams
 
 SOURCE = """def add(a, b):
     return a + b

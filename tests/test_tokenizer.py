@@ -10,7 +10,7 @@ import types
 import gguf
 import pytest
 
-from engine.tokenizer import Tokenizer, _byte_decoder
+from engine.model.tokenizer import Tokenizer, _byte_decoder
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "fixtures" / "tokenizer_golden.json").read_text())
 TEXTS = GOLDEN["texts"]

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from tiny_models import write_tiny_llama
 
-from engine.gguf_loader import GGUFModel
+from engine.model.gguf_loader import GGUFModel
 from proposers.heads.head_file import load_head
 from proposers.training import cli
 from proposers.training.export import export_head, head_config
@@ -163,7 +163,7 @@ def reference_eagle(t: dict, cfg: dict, emb: np.ndarray, feat: np.ndarray, pos: 
 
 
 def test_eagle_module_matches_float64_numpy_reference_of_the_exported_file(tmp_path):
-    from engine.gguf_loader import ModelConfig
+    from engine.model.gguf_loader import ModelConfig
     from proposers.training.objectives import causal_mask
 
     shape = HeadShape("eagle", 1, hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8, intermediate_size=80,

@@ -1,4 +1,4 @@
-"""engine.verify: hand-made cases per strategy and policy, and statistical losslessness checks.
+"""engine.spec_decode.verify: hand-made cases per strategy and policy, and statistical losslessness checks.
 
 The statistical tests follow vLLM's rejection-sampler test: put many independent one-draft
 requests into one verify call and compare the empirical distribution of the first output token
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.verify import (
+from engine.spec_decode.verify import (
     ACCEPT_ALL,
     GREEDY,
     NORMAL,

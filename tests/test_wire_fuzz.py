@@ -1,7 +1,7 @@
 """Property tests of the ZeroMQ wire: arbitrary bytes never crash a decoder, a worker or the gateway,
 and messages from newer or older peers are understood or refused cleanly.
 
-The worker under test is the real `engine.worker.Worker` around the session's real engine, with
+The worker under test is the real `engine.serving.worker.Worker` around the session's real engine, with
 the test playing the gateway on a bound ROUTER socket; the gateway under test is a real
 gateway process, with the test playing a worker on a DEALER socket.
 """
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from servers import Cluster
 
-from engine import protocol
-from engine.worker import Worker
+from engine.serving import protocol
+from engine.serving.worker import Worker
 
 PROPERTY = settings(max_examples=300, deadline=None, database=None)
 SOCKET = settings(max_examples=60, deadline=None, database=None,

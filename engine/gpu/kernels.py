@@ -152,7 +152,7 @@ class Kernels:
     def verify(self, logits, cu_rows, draft_ids, draft_probs, has_draft_probs, temperature, top_p, top_k,
                strategy, policy: int, uniforms, max_candidate_len: int, verify_top_p: float,
                out_token_ids, out_num_accepted, num_reqs: int) -> None:
-        """One launch, one block per request; argument semantics of engine.verify.verify."""
+        """One launch, one block per request; argument semantics of engine.spec_decode.verify.verify."""
         self.fn("verify", "verify_drafts")((num_reqs,), (self.verify_threads,), (
             logits, i32(logits.shape[1]), cu_rows, draft_ids, draft_probs, has_draft_probs, temperature,
             top_p, top_k, strategy, i32(policy), uniforms, i32(max_candidate_len), np.float64(verify_top_p),

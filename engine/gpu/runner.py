@@ -14,8 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from engine.cpu_runner import CacheConfig, ForwardBatch
-from engine.gguf_loader import GGUFModel, ModelConfig
+from engine.model.cpu_runner import CacheConfig, ForwardBatch
+from engine.model.gguf_loader import GGUFModel, ModelConfig
 from engine.gpu.buffers import StepBuffers
 from engine.gpu.gemm import Gemm, check_invariant_shape
 from engine.gpu.kernels import ATTENTION_HEAD_DIMS, KV_DTYPE, MAX_ATTENTION_ROWS, Kernels, attention_q_tile
@@ -27,7 +27,7 @@ DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 RESERVED_BYTES = 512 << 20  # CUDA graphs, cuBLAS, kernel images, allocator slack
 
 
-class GpuRunner:  # implements engine.runner_api.ModelRunner
+class GpuRunner:  # implements engine.model.runner_api.ModelRunner
     provides_hidden_states = False
     numerics = "exact"  # what a proposer's CPU kernels use beside this runner
     capture_hidden = False
@@ -171,7 +171,7 @@ class GpuRunner:  # implements engine.runner_api.ModelRunner
     def verify_device(self, cu_rows, draft_ids, draft_probs, has_draft_probs, temperature, top_p, top_k,
                       strategy, policy: int, uniforms, out_token_ids, out_num_accepted,
                       max_candidate_len: int = 5, verify_top_p: float = 1.0) -> None:
-        """engine.verify.verify over the last forward's logits rows, without copying them to the host."""
+        """engine.spec_decode.verify.verify over the last forward's logits rows, without copying them to the host."""
         self.verifier.verify(self.bufs.logits[: self._num_logits], cu_rows, draft_ids, draft_probs,
                              has_draft_probs, temperature, top_p, top_k, strategy, policy, uniforms,
                              out_token_ids, out_num_accepted, max_candidate_len, verify_top_p)

@@ -1,4 +1,4 @@
-"""Verification on the device: engine.verify.verify's arguments and results, one kernel launch.
+"""Verification on the device: engine.spec_decode.verify.verify's arguments and results, one kernel launch.
 
 The logits stay where the forward pass left them; only the small per-request inputs go up (and
 draft probabilities, when a proposer has them) and the emitted token ids and accept lengths come
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.verify import NORMAL, _check_inputs
+from engine.spec_decode.verify import NORMAL, _check_inputs
 
 
 class _Staged:
@@ -53,7 +53,7 @@ class DeviceVerifier:
     def verify(self, logits, cu_rows, draft_ids, draft_probs, has_draft_probs, temperature, top_p, top_k,
                strategy, policy: int, uniforms, out_token_ids, out_num_accepted,
                max_candidate_len: int = 5, verify_top_p: float = 1.0) -> None:
-        """As engine.verify.verify, with `logits` a CuPy float32 [num_rows, vocab] device array."""
+        """As engine.spec_decode.verify.verify, with `logits` a CuPy float32 [num_rows, vocab] device array."""
         num_rows, num_reqs = self._check(logits, cu_rows)
         proxy = self._shape_proxy[: num_rows * self.vocab].reshape(num_rows, self.vocab)
         _check_inputs(proxy, cu_rows, draft_ids, draft_probs, has_draft_probs, temperature, top_p, top_k,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.gguf_loader import GGUFModel
+from engine.model.gguf_loader import GGUFModel
 
 STORAGE_DTYPES = ("float16", "bfloat16", "float32")
 

@@ -99,8 +99,8 @@ def data_settings(args, model_path: Path, conversations: list) -> dict:
 
 def prepare(args):
     """Check the flags, resolve the model and read the prompts (user errors: ValueError naming the flag)."""
-    from engine.gguf_loader import GGUFModel
-    from engine.model_files import resolve_model
+    from engine.model.gguf_loader import GGUFModel
+    from engine.model.model_files import resolve_model
     from proposers.training import corpus
 
     check_args(args)

@@ -66,8 +66,8 @@ class Dataset:
 
 def make_engine(model_path: Path, max_model_len: int, max_num_seqs: int, threads: int):
     """A plain (non-speculative) engine sized for `max_num_seqs` requests of `max_model_len` tokens."""
-    from engine.cpu_runner import CpuRunner
-    from engine.gguf_loader import GGUFModel
+    from engine.model.cpu_runner import CpuRunner
+    from engine.model.gguf_loader import GGUFModel
     from engine.llm_engine import LLMEngine
 
     per_block = CpuRunner.kv_bytes_per_block(GGUFModel(model_path).config, 16)
@@ -83,7 +83,7 @@ def make_engine(model_path: Path, max_model_len: int, max_num_seqs: int, threads
 def generate_answers(engine, prompt_ids: list[list[int]], max_tokens: int, temperature: float,
                      seed: int) -> list[list[int]]:
     """The engine's answer (token ids, a final stop token included) to each prompt."""
-    from engine.protocol import Generate, SamplingParams
+    from engine.serving.protocol import Generate, SamplingParams
 
     answers: dict[str, list[int]] = {}
     for i, ids in enumerate(prompt_ids):
@@ -100,7 +100,7 @@ def generate_answers(engine, prompt_ids: list[list[int]], max_tokens: int, tempe
 
 def capture_features(model, weights_from, sequences: list[list[int]], budget: int = 512) -> list[np.ndarray]:
     """[n_i, hidden] float16 final-normed hidden states of each sequence (a fresh KV cache, shared weights)."""
-    from engine.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+    from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 
     max_seqs = 64
     longest = max(len(s) for s in sequences)
@@ -156,8 +156,8 @@ def _packs(sequences: list[list[int]], budget: int, max_seqs: int) -> list[list[
 
 def build_dataset(model_path: Path, conversations: list[list[dict]], settings: dict) -> Dataset:
     """Tokenize with the chat template, generate the answers, capture the features, split off held-out."""
-    from engine.gguf_loader import GGUFModel
-    from engine.tokenizer import Tokenizer
+    from engine.model.gguf_loader import GGUFModel
+    from engine.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(model_path)
     max_prompt = settings["max_prompt_tokens"]

@@ -15,7 +15,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
-from engine.gguf_loader import GGUFModel, ModelConfig
+from engine.model.gguf_loader import GGUFModel, ModelConfig
 from engine.kernels import layer as layer_kernels
 from engine.kernels import ops
 from engine.kernels.attention import vector_shapes
@@ -83,7 +83,7 @@ def kv_dtype_name(kv_cache_dtype: str, numerics: str, cfg: ModelConfig, block_si
     return kv_cache_dtype
 
 
-class CpuRunner:  # implements engine.runner_api.ModelRunner
+class CpuRunner:  # implements engine.model.runner_api.ModelRunner
     """`numerics`: "int8" (integer weight products on int8-quantized activations) or "exact"
     (strict float32); `num_layers` < the model's keeps only its first layers (a self-speculative
     draft); `weights_from` shares another runner's packed weights instead of packing them again."""

@@ -1,5 +1,5 @@
-"""Numba kernels behind `engine.verify`: the target distribution p of a row, sampling, and the
-per-request verification loop. See engine/verify.py for the maths.
+"""Numba kernels behind `engine.spec_decode.verify`: the target distribution p of a row, sampling, and the
+per-request verification loop. See engine/spec_decode/verify.py for the maths.
 
 All of them live in this one file on purpose: Numba's on-disk cache is invalidated only when the
 file defining a cached function changes, not when a jitted function it calls from another file

@@ -1,4 +1,4 @@
-"""The interface both model runners (CPU: engine/cpu_runner.py, GPU: engine/gpu/runner.py) give the engine.
+"""The interface both model runners (CPU: engine/model/cpu_runner.py, GPU: engine/gpu/runner.py) give the engine.
 
 The engine and the proposers' binding code talk to a runner through this alone.
 """

@@ -1,7 +1,7 @@
 """`speculant engine`: one engine worker driving an LLMEngine from a ZeroMQ DEALER socket.
 
 The loop reads top to bottom: receive (add / abort) -> engine.step() -> send outputs.
-Heartbeats go from their own thread (engine/heartbeat.py), also during a long step; the two
+Heartbeats go from their own thread (engine/serving/heartbeat.py), also during a long step; the two
 threads share the socket under a lock. The loop blocks only while idle, never on a send
 (NOBLOCK; a full queue drops the message with a log line). The gateway may start before or after us and may
 restart: ZeroMQ reconnects the DEALER, and a GatewayHello makes us drop requests the
@@ -23,9 +23,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from engine import protocol, zmq_security
+from engine.serving import protocol, zmq_security
 from engine.errors import InvalidRequest
-from engine.heartbeat import Heartbeat
+from engine.serving.heartbeat import Heartbeat
 
 log = logging.getLogger("speculant.worker")
 

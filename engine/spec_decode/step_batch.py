@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.cpu_runner import CacheConfig, ForwardBatch
-from engine.verify import GREEDY, NORMAL, POLICY_IDS, REJECTION, STRATEGY_IDS, verify
+from engine.model.cpu_runner import CacheConfig, ForwardBatch
+from engine.spec_decode.verify import GREEDY, NORMAL, POLICY_IDS, REJECTION, STRATEGY_IDS, verify
 
 
 class StepBatch:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.verify_kernels import (
+from engine.spec_decode.verify_kernels import (
     ACCEPT_ALL,
     GREEDY,
     NORMAL,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from engine.errors import InvalidRequest
-from engine.protocol import Generate, SamplingParams
+from engine.serving.protocol import Generate, SamplingParams
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.protocol import Output, TokenLogprob
-from engine.sequence import Sequence
+from engine.model.detokenizer import IncrementalDetokenizer
+from engine.serving.protocol import Output, TokenLogprob
+from engine.core.sequence import Sequence
 
 
 class OutputState:

@@ -7,8 +7,8 @@ import itertools
 
 import numpy as np
 
-from engine.protocol import SamplingParams
-from engine.spec_control import SourceStats
+from engine.serving.protocol import SamplingParams
+from engine.spec_decode.spec_control import SourceStats
 
 _arrival = itertools.count()
 

@@ -1,0 +1,1 @@
+"""Scheduling: requests, their sequences, KV blocks, what runs each step."""

@@ -1,0 +1,1 @@
+"""The worker process: ZeroMQ link, wire protocol, heartbeats, link security."""

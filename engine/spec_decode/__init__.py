@@ -1,0 +1,1 @@
+"""Speculation: config, proposers per request, draft control, verification."""
