@@ -26,7 +26,7 @@ from engine.kernels.simd import PATHS, specialize, specialize_family, store_rows
 TILES = {"q4_0": "legacy_tile", "q4_1": "legacy_tile", "q5_0": "legacy_tile", "q5_1": "legacy_tile",
          "q8_0": "q8_0_tile", "q4_k": "kquant_tile", "q5_k": "kquant_tile", "q6_k": "q6_k_tile"}
 _TILE_FUNCTIONS = {name: getattr(int_tiles, name) for name in
-                   ("_nibble_sum", "_block_isum", "_q6_half", "legacy_tile", "q8_0_tile", "kquant_tile", "q6_k_tile")}
+                   ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "legacy_tile", "q8_0_tile", "kquant_tile", "q6_k_tile")}
 _kernels: dict = {}
 _families: dict = {}
 _lock = threading.Lock()

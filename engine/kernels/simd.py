@@ -44,6 +44,19 @@ def wbytes(typingctx, arr, idx):
     return _u8(1)(arr, idx), codegen
 
 
+@_intrinsic
+def prefetch(typingctx, arr, idx):
+    """Ask for the cache line holding arr[idx] (flat index; never faults, even past the end)."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _addr(context, builder, sig.args[0], args[0], args[1], _I8)
+        i32 = lambda v: ir.Constant(_I32, v)  # noqa: E731
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, idx), codegen
+
+
 def _token_loader(elem, vec, name, doc, as_bytes=False):
     """An intrinsic (arr, idx, stride, tt): per token t, one `elem` at idx + t * stride in all 16 lanes
     (as_bytes: an unaligned 4-byte word, handed back as its 64 bytes)."""
