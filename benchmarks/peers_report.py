@@ -8,8 +8,8 @@ from __future__ import annotations
 
 HEAD = ["system", "mode", "tok/s", "decode tok/s", "vs Speculant best", "vs Speculant plain", "output = own plain"]
 NOTES = [
-    ("Shared machine: other processes compete for the CPUs, so the speeds are indicative; every system ran in "
-     "the same process, one after another, on the same prompts."),
+    ("Shared machine: other processes compete for the CPUs, so the speeds are indicative; the systems ran one "
+     "after another, each peer in its own process, on the same prompts."),
     ("tok/s = output tokens / wall time, prompt processing included; decode tok/s = 1 / mean time per output token "
      "after the first. The ratios use decode tok/s, because the systems treat a repeated prompt differently "
      "(Speculant's prefix cache holds every prompt after the warm-up, llama.cpp reuses the previous prompt's common "
