@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
+from engine.kernels.weights import matrix_shape
+
 Q = gguf.GGMLQuantizationType
 STRIP = 16
 QK = 32
@@ -141,11 +143,7 @@ def pack_int(t) -> IntWeight | None:
     kind = gguf.GGMLQuantizationType(t.tensor_type)
     if kind not in FORMATS:
         return None
-    name = getattr(t, "name", "tensor")
-    shape = [int(v) for v in t.shape]
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"{name}: shape must be a 2-D [k, n] weight, got {shape}")
-    k, n = shape
+    name, k, n = matrix_shape(t)
     fmt, block_bytes, per_block = FORMATS[kind]
     raw = np.asarray(t.data)
     if k % per_block or raw.dtype != np.uint8 or raw.size != n * (k // per_block) * block_bytes:

@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.kernels import int_linear, linear_jit, linear_quant
 from engine.kernels.int_pack import IntWeight, pack_int
-from engine.kernels.weights import concat_gguf_rows
+from engine.kernels.weights import concat_gguf_rows, matrix_shape
 
 NUMERICS = ("int8", "exact")
 STRIP = 16  # output rows per strip
@@ -144,11 +144,7 @@ def pack_gguf_tensor(t, numerics: str = "exact") -> Weight:
         packed = pack_int(t)
         if packed is not None:
             return packed
-    name = getattr(t, "name", "tensor")
-    shape = [int(v) for v in t.shape]
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"{name}: shape must be a 2-D [k, n] weight, got {shape}")
-    k, n = shape
+    name, k, n = matrix_shape(t)
     kind = gguf.GGMLQuantizationType(t.tensor_type)
     raw = np.asarray(t.data)
     if kind in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
@@ -162,7 +158,7 @@ def pack_gguf_tensor(t, numerics: str = "exact") -> Weight:
     except NotImplementedError as exc:
         raise ValueError(f"{name}: tensor_type {kind.name} cannot be dequantized") from exc
     if w.size != n * k:
-        raise ValueError(f"{name}: data holds {w.size} weights, shape {shape} needs {n * k}")
+        raise ValueError(f"{name}: data holds {w.size} weights, shape {[k, n]} needs {n * k}")
     return pack_f32(np.asarray(w, np.float32).reshape(n, k))
 
 

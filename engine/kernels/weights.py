@@ -18,6 +18,15 @@ class RawTensor:
     data: np.ndarray  # [N, bytes or elements per row]
 
 
+def matrix_shape(t) -> tuple[str, int, int]:
+    """(name, k, n) of a 2-D GGUF weight (ggml shape [k, n]); a ValueError naming it otherwise."""
+    name = getattr(t, "name", "tensor")
+    shape = [int(v) for v in t.shape]
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"{name}: shape must be a 2-D [k, n] weight, got {shape}")
+    return name, shape[0], shape[1]
+
+
 def concat_gguf_rows(tensors) -> RawTensor:
     """Stack several [N_i, K] weights into one [sum N_i, K] weight (q|k|v, gate|up).
 
