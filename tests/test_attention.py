@@ -30,8 +30,8 @@ def make_case(head_dim: int, block_size: int, runs: list[tuple[int, int]], seed:
     return qkv, k_cache, v_cache, cu_q, positions, block_tables
 
 
-def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale):
-    """float64 attention of each query over keys 0..position of its own request."""
+def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale, window=0):
+    """float64 attention of each query over keys 0..position of its own request (the last `window` of them)."""
     head_dim = k_cache.shape[2]
     out = np.zeros((qkv.shape[0], NUM_HEADS * head_dim))
     for r in range(len(cu_q) - 1):
@@ -39,17 +39,18 @@ def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale):
         vals = np.concatenate([v_cache[b] for b in block_tables[r]]).astype(np.float64)
         for t in range(cu_q[r], cu_q[r + 1]):
             n = positions[t] + 1
+            lo = max(0, n - window) if window else 0
             for h in range(NUM_HEADS):
                 kvh = h // (NUM_HEADS // NUM_KV)
-                s = keys[:n, kvh] @ qkv[t, h * head_dim:(h + 1) * head_dim].astype(np.float64) * scale
+                s = keys[lo:n, kvh] @ qkv[t, h * head_dim:(h + 1) * head_dim].astype(np.float64) * scale
                 p = np.exp(s - s.max())
-                out[t, h * head_dim:(h + 1) * head_dim] = p @ vals[:n, kvh] / p.sum()
+                out[t, h * head_dim:(h + 1) * head_dim] = p @ vals[lo:n, kvh] / p.sum()
     return out
 
 
-def run(kernel, case, scale):
+def run(kernel, case, scale, window=0):
     out = np.full((case[0].shape[0], NUM_HEADS * case[1].shape[2]), np.nan, np.float32)
-    kernel(*case, NUM_HEADS, np.float32(scale), out)
+    kernel(*case, NUM_HEADS, np.float32(scale), window, out)
     return out
 
 
@@ -60,12 +61,13 @@ def as_fp16(case):
     return (qkv, k16.view(np.uint16), v16.view(np.uint16), *rest), (qkv, k16.astype(np.float32), v16.astype(np.float32), *rest)
 
 
+@pytest.mark.parametrize("window", [0, 5, 13])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (40, 4), (64, 24)])
-def test_general_kernel_matches_a_float64_reference(head_dim, block_size):
-    case = make_case(head_dim, block_size, [(21, 1), (3, 5), (0, 7)], seed=1)
+def test_general_kernel_matches_a_float64_reference(head_dim, block_size, window):
+    case = make_case(head_dim, block_size, [(21, 1), (3, 5), (0, 7), (30, 9)], seed=1)
+    scale = 1 / np.sqrt(head_dim)
     for kernel in A._ATTENTION:
-        np.testing.assert_allclose(run(kernel, case, 1 / np.sqrt(head_dim)), reference(*case, 1 / np.sqrt(head_dim)),
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(run(kernel, case, scale, window), reference(*case, scale, window), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("cache", ["float32", "float16"])
@@ -76,9 +78,10 @@ def test_vector_kernel_matches_a_float64_reference(head_dim, block_size, heads, 
     case = make_case(head_dim, block_size, [(37, 1), (5, 4), (0, 9), (80, 3), (16, 16)])
     case, twin = as_fp16(case) if cache == "float16" else (case, case)
     scale = 1 / np.sqrt(head_dim)
-    want = reference(*twin, scale)
-    for kernel in A._ATTENTION_VEC:
-        np.testing.assert_allclose(run(kernel, case, scale), want, rtol=1e-4, atol=2e-5)
+    for window in (0, 7, 33):  # a sliding window: unaligned, and longer than a 16-key chunk
+        want = reference(*twin, scale, window)
+        for kernel in A._ATTENTION_VEC:
+            np.testing.assert_allclose(run(kernel, case, scale, window), want, rtol=1e-4, atol=2e-5)
 
 
 def one_query(case, t):
@@ -88,15 +91,17 @@ def one_query(case, t):
     return (qkv[t : t + 1], k, v, np.array([0, 1], np.int32), positions[t : t + 1], tables[r : r + 1])
 
 
+@pytest.mark.parametrize("window", [0, 6, 19])
 @pytest.mark.parametrize("cache", ["float32", "float16"])
-def test_vector_kernel_query_is_the_same_bits_alone_or_batched(cache):
+def test_vector_kernel_query_is_the_same_bits_alone_or_batched(cache, window):
     """Each query run alone (one token, one request) equals the same query inside a ragged batch,
-    where runs of 2-9 tokens share K/V loads in tiles of consecutive tokens or of a group's heads."""
-    case = make_case(64, 16, [(37, 1), (5, 4), (0, 9), (80, 3), (16, 2), (3, 7)], seed=2)
+    where runs of 2-9 tokens share K/V loads in tiles of consecutive tokens or of a group's heads;
+    with a sliding window too, where a tile's rows start at different keys."""
+    case = make_case(64, 16, [(37, 1), (5, 4), (0, 9), (80, 3), (16, 2), (3, 7), (40, 8)], seed=2)
     case = as_fp16(case)[0] if cache == "float16" else case
     for kernel in A._ATTENTION_VEC:
-        batched = run(kernel, case, 0.125)
-        alone = np.concatenate([run(kernel, one_query(case, t), 0.125) for t in range(case[0].shape[0])])
+        batched = run(kernel, case, 0.125, window)
+        alone = np.concatenate([run(kernel, one_query(case, t), 0.125, window) for t in range(case[0].shape[0])])
         np.testing.assert_array_equal(batched, alone)
 
 

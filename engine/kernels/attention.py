@@ -2,7 +2,8 @@
 
 Each request appends T_i tokens on top of its cached prefix. A query at absolute
 position p attends to keys 0..p of its own request: the whole cached prefix plus
-the appended tokens up to itself (causal inside the run).
+the appended tokens up to itself (causal inside the run). On a sliding-window layer of
+`window` keys it attends to keys max(0, p + 1 - window)..p only (window 0: no window).
 
 Layout: k_cache [num_blocks, num_kv_heads, head_dim, block_size] (K transposed inside
 a block), v_cache [num_blocks, block_size, num_kv_heads, head_dim]. A query computes
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from engine.kernels.attention_vec import paged_attention_vec
+from engine.kernels.attention_vec import first_key, paged_attention_vec
 from engine.kernels.ops import _twice
 from engine.kernels.simd import f16_bits
 
@@ -51,18 +52,19 @@ def _write_kv_f16(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
 
 
 @nb.njit(cache=True, inline="always")
-def _softmax_rows(scores, positions, t0, num_q, scale):
-    """scores[qi, :keys] = exp(scores * scale - max) over keys 0..position, in key order; [num_q] 1 / sums."""
+def _softmax_rows(scores, positions, t0, num_q, scale, window):
+    """scores[qi, lo:keys] = exp(scores * scale - max) over keys lo..position, in key order; [num_q] 1 / sums."""
     inv = np.empty(num_q, dtype=np.float32)
     for qi in range(num_q):
         num_keys = positions[t0 + qi] + 1
+        lo = first_key(num_keys, window)
         m = np.float32(-np.inf)
-        for j in range(num_keys):
+        for j in range(lo, num_keys):
             scores[qi, j] *= scale
             if scores[qi, j] > m:
                 m = scores[qi, j]
         denom = np.float32(0.0)
-        for j in range(num_keys):
+        for j in range(lo, num_keys):
             e = np.exp(scores[qi, j] - m)
             scores[qi, j] = e
             denom += e
@@ -70,8 +72,8 @@ def _softmax_rows(scores, positions, t0, num_q, scale):
     return inv
 
 
-def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
-    """Any block size and head_dim. out[t, h*hd:(h+1)*hd] = softmax(q·K^T * scale) V over keys 0..positions[t] of its request.
+def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, window, out):
+    """Any block size and head_dim. out[t, h*hd:(h+1)*hd] = softmax(q·K^T * scale) V over keys lo..positions[t] of its request.
 
     qkv: [num_tokens, ...] (q heads first); out: [num_tokens, num_heads * head_dim].
     One work item = one request x one query head: all of the request's appended tokens
@@ -89,8 +91,9 @@ def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_h
         t0 = cu_q[r]
         num_q = cu_q[r + 1] - t0
         num_blocks = (positions[t0 + num_q - 1] + block_size) // block_size
+        first_block = first_key(positions[t0] + 1, window) // block_size
         scores = np.empty((num_q, num_blocks * block_size), dtype=np.float32)  # [queries, keys]
-        for i in range(num_blocks):  # scores, one K block at a time
+        for i in range(first_block, num_blocks):  # scores, one K block at a time
             k_blk = k_cache[block_tables[r, i], kvh]  # [head_dim, block_size]
             for qi in range(num_q):
                 s = scores[qi, i * block_size : (i + 1) * block_size]
@@ -100,13 +103,14 @@ def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_h
                     qd = qkv[t0 + qi, h * head_dim + d]
                     for o in range(bs):
                         s[o] += qd * k_blk[d, o]
-        inv = _softmax_rows(scores, positions, t0, num_q, scale)
+        inv = _softmax_rows(scores, positions, t0, num_q, scale, window)
         acc = np.zeros((num_q, head_dim), dtype=np.float32)
-        for i in range(num_blocks):  # weighted V sum, one V block at a time, keys in order
+        for i in range(first_block, num_blocks):  # weighted V sum, one V block at a time, keys in order
             v_blk = v_cache[block_tables[r, i]]  # [block_size, num_kv, head_dim]
             for qi in range(num_q):
                 num_keys = positions[t0 + qi] + 1
-                for o in range(min(block_size, num_keys - i * block_size)):
+                lo = first_key(num_keys, window)
+                for o in range(max(0, lo - i * block_size), min(block_size, num_keys - i * block_size)):
                     p = scores[qi, i * block_size + o]
                     for d in range(hd):
                         acc[qi, d] += p * v_blk[o, kvh, d]
@@ -132,7 +136,7 @@ def write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
     fn(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size)
 
 
-def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
+def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out, window: int = 0):
     num_tokens = qkv.shape[0]
     work = num_tokens * num_heads * (int(positions.max()) + 1) if num_tokens else 0
     if vector_shapes(k_cache.shape[2], k_cache.shape[3]):
@@ -142,4 +146,4 @@ def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_he
     else:
         pair = _ATTENTION
     fn = pair[1] if work >= PARALLEL_MIN_WORK else pair[0]
-    fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), out)
+    fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out)

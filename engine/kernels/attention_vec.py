@@ -5,14 +5,17 @@ consecutive tokens of one request x one KV head x one half of its group's query 
 threads share an odd number of KV heads evenly: decode attention at 2,000 tokens 117 -> 92 us
 per layer on SmolLM2's 3 KV heads). A tile is up to 4 query rows sharing every K and
 V load: the heads of the KV group for a single token, or one head of the chunk's tokens. Row r
-attends to keys0 + r * inc keys (inc = 0 for heads, 1 for consecutive tokens).
+attends to keys lo_r .. keys0 + r * inc - 1 (inc = 0 for heads, 1 for consecutive tokens), where
+lo_r = 0, or, on a sliding-window layer of `window` keys, max(0, keys0 + r * inc - window).
 
 Per query, in a fixed order whatever the tile: each score is a sequential float32 sum over
 head_dim; softmax takes exp(score * scale - max) (simd.f32_exp) and sums them in 16-lane partial
-sums over its keys, folded by a fixed tree; each output element is a sequential sum over keys
-in order, times 1 / sum. A tile's rows with more keys continue their sums alone over the extra
-keys. So a query's output depends only on its q and its request's keys: not on the batch, the
-tile, or how its prompt was chunked.
+sums over its keys (16-key chunks aligned to key 0, so they depend on the query's own lo only),
+folded by a fixed tree; each output element is a sequential sum over keys in order, times 1 / sum.
+In a tile, a row with a later lo gets exact zero weights for the keys before it (adding +-0
+changes no sum), and rows with more keys continue their sums alone over the extra keys. So a
+query's output depends only on its q and its request's keys: not on the batch, the tile, or how
+its prompt was chunked.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from engine.kernels.simd import (
     f32_hmax,
     f32_hsum,
     f32_keep,
+    f32_keep_from,
     f32_mul,
     f32_splat,
     f32_sub,
@@ -40,15 +44,16 @@ TOKENS_PER_ITEM = 4
 
 
 @nb.njit(cache=True)
-def _scores(qkv, k_cache, table, q0, qstride, kvh, num_keys, rows, scores):
-    """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for keys < num_keys,
-    16 keys per vector; up to 2 rows take two chunks of 16 at a time, so that several sums are in flight."""
+def _scores(qkv, k_cache, table, q0, qstride, kvh, lo, num_keys, rows, scores):
+    """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for the 16-key chunks
+    from lo's to num_keys; up to 2 rows take two chunks of 16 at a time, so that several sums are in flight."""
     nb.literally(rows)
     num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     ld = scores.shape[1]
     chunks = (num_keys + 15) // 16
+    c0 = lo // 16
     paired = rows <= 2  # 4 rows already keep 8 sums in flight; more would spill registers
-    for c in range(0, chunks - 1 if paired else 0, 2):
+    for c in range(c0, chunks - 1 if paired else c0, 2):
         a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
         b = (table[16 * (c + 1) // bs] * num_kv + kvh) * hd * bs + 16 * (c + 1) % bs
         sa = f32_zero(rows)
@@ -59,7 +64,7 @@ def _scores(qkv, k_cache, table, q0, qstride, kvh, num_keys, rows, scores):
             sb = f32_add(sb, f32_mul(q, row_f32(k_cache, b + d * bs)))
         store_rows(scores, 16 * c, ld, sa, 16)
         store_rows(scores, 16 * c + 16, ld, sb, 16)
-    for c in range(chunks - chunks % 2 if paired else 0, chunks):
+    for c in range(chunks - (chunks - c0) % 2 if paired else c0, chunks):
         a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
         sa = f32_zero(rows)
         for d in range(hd):
@@ -68,15 +73,17 @@ def _scores(qkv, k_cache, table, q0, qstride, kvh, num_keys, rows, scores):
 
 
 @nb.njit(cache=True)
-def _softmax(scores, r, num_keys, scale):
-    """scores[r, :num_keys] = exp(s * scale - max) in place; returns 1 / their sum."""
+def _softmax(scores, r, lo, num_keys, scale):
+    """scores[r, lo:num_keys] = exp(s * scale - max) in place (zero before lo in its 16-key chunk);
+    returns 1 / their sum."""
     top = np.float32(-np.inf)
-    for c in range(0, num_keys, 16):
-        top = max(top, f32_hmax(f32_keep(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), num_keys - c, -np.inf)))
+    for c in range(lo - lo % 16, num_keys, 16):
+        s = f32_keep(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), num_keys - c, -np.inf)
+        top = max(top, f32_hmax(f32_keep_from(s, lo - c, -np.inf)))
     total = f32_zero(1)
-    for c in range(0, num_keys, 16):
+    for c in range(lo - lo % 16, num_keys, 16):
         s = f32_sub(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), f32_splat(top, 1))
-        e = f32_keep(f32_exp(s), num_keys - c, 0.0)
+        e = f32_keep_from(f32_keep(f32_exp(s), num_keys - c, 0.0), lo - c, 0.0)
         store_rows(scores[r], c, 0, e, 16)
         total = f32_add(total, e)
     return np.float32(1.0) / f32_hsum(total)
@@ -106,15 +113,26 @@ def _values(v_cache, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, res
             store_rows(out, o0 + c + 16, ostride, acc2, 16)
 
 
+@nb.njit(cache=True, inline="always")
+def first_key(num_keys, window):
+    """The first key a query that sees keys 0..num_keys-1 attends to (window 0: no window)."""
+    return max(0, num_keys - window) if window > 0 else 0
+
+
 @nb.njit(cache=True)
-def _tile(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, scale, out, scores, inv, rows):
-    """One tile of `rows` (literal) query rows; row r sees keys0 + r * inc keys."""
+def _tile(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, scale, out, scores, inv,
+          rows):
+    """One tile of `rows` (literal) query rows; row r sees keys first_key(n_r, window) .. n_r - 1, n_r = keys0 + r * inc."""
     nb.literally(rows)
     hd = k_cache.shape[2]
-    _scores(qkv, k_cache, table, q0, qstride, kvh, keys0 + (rows - 1) * inc, rows, scores)
+    lo0 = first_key(keys0, window)
+    _scores(qkv, k_cache, table, q0, qstride, kvh, lo0, keys0 + (rows - 1) * inc, rows, scores)
     for r in range(rows):
-        inv[r] = _softmax(scores, r, keys0 + r * inc, scale)
-    _values(v_cache, table, kvh, 0, keys0, scores, 0, out, o0, ostride, rows, False)
+        lo = first_key(keys0 + r * inc, window)
+        inv[r] = _softmax(scores, r, lo, keys0 + r * inc, scale)
+        for j in range(lo0, lo - lo % 16):  # keys the tile's first row sees and this row does not
+            scores[r, j] = np.float32(0.0)
+    _values(v_cache, table, kvh, lo0, keys0, scores, 0, out, o0, ostride, rows, False)
     for r in range(1, rows):  # the later tokens' extra keys, each row alone
         if inc:
             _values(v_cache, table, kvh, keys0, keys0 + r * inc, scores, r * scores.shape[1], out,
@@ -125,24 +143,25 @@ def _tile(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, in
 
 
 @nb.njit(cache=True)
-def _tiles(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, count, scale, out, scores, inv):
+def _tiles(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, count, scale, out, scores,
+           inv):
     """`count` rows in tiles of 4, 2, 1."""
     r = 0
     while count - r >= 4:
         _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
-              keys0 + r * inc, inc, scale, out, scores, inv, 4)
+              keys0 + r * inc, inc, window, scale, out, scores, inv, 4)
         r += 4
     if count - r >= 2:
         _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
-              keys0 + r * inc, inc, scale, out, scores, inv, 2)
+              keys0 + r * inc, inc, window, scale, out, scores, inv, 2)
         r += 2
     if count - r == 1:
         _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
-              keys0 + r * inc, inc, scale, out, scores, inv, 1)
+              keys0 + r * inc, inc, window, scale, out, scores, inv, 1)
 
 
-def paged_attention_vec(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out):
-    """qkv [T, (heads + 2 kv) * hd], out [T, heads * hd]; see the module docstring."""
+def paged_attention_vec(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, window, out):
+    """qkv [T, (heads + 2 kv) * hd], out [T, heads * hd]; window: keys a query sees (0: all); see the module docstring."""
     num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv
     qs, os_ = qkv.shape[1], out.shape[1]
@@ -169,8 +188,8 @@ def paged_attention_vec(qkv, k_cache, v_cache, cu_q, positions, block_tables, nu
         h0 = kvh * group + first
         if num_tokens == 1:  # the group's heads share the loads
             _tiles(qkv, k_cache, v_cache, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
-                   kvh, keys0, 0, last - first, scale, out, scores, inv)
+                   kvh, keys0, 0, window, last - first, scale, out, scores, inv)
         else:  # per head, the chunk's tokens share the loads
             for h in range(h0, kvh * group + last):
                 _tiles(qkv, k_cache, v_cache, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
-                       kvh, keys0, 1, num_tokens, scale, out, scores, inv)
+                       kvh, keys0, 1, window, num_tokens, scale, out, scores, inv)

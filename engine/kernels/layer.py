@@ -1,4 +1,4 @@
-"""One decoder layer as one compiled call: norm, products, RoPE, KV write, attention, SwiGLU.
+"""One decoder layer as one compiled call: norm, products, RoPE, KV write, attention, gated FFN.
 
 A Python loop of ~14 kernel calls per layer cost more than the kernels themselves at T = 1
 (argument checks, dispatch, slicing). Here a layer is one Numba function; its four weight
@@ -8,6 +8,10 @@ Weights as the layer passes them to a product:
   int8   w = ((arrays, n, col0), ...): one entry per part (one, or q|k|v of mixed formats)
   exact  w = the PackedWeight's arrays; `rows` is the float kernels' decode scratch
 Buffers `rows` of an int8 product are its QuantRows (xq, xd, xm, xs), sliced to T inside.
+
+An architecture's optional parts (QKV bias, QK-norm, post-sublayer norms, RoPE style, FFN
+activation; see engine/model/architectures.py) are bound per layer build from its `arch_key`;
+a part the architecture lacks is bound to a kernel that does nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 
 import numba as nb
 
-from engine.kernels import attention, int_linear, linear_jit, linear_quant, ops
+from engine.kernels import arch_ops, attention, int_linear, linear_jit, linear_quant, ops
 from engine.kernels.simd import specialize
 
 PARALLEL_MIN_ROWS = ops.PARALLEL_MIN_ROWS
@@ -91,12 +95,13 @@ def product(key: tuple, path: str):
 
 
 def _layer(num, first, bufs, w, meta):
-    """Layer forward over the first `num` rows; bufs: activations, w: weights + this layer's caches,
-    meta: the step's token metadata (see CpuRunner.forward). Small ops run serially below
+    """Layer forward over the first `num` rows; bufs: activations, w: weights + this layer's caches and
+    parts, meta: the step's token metadata (see CpuRunner.forward). Small ops run serially below
     PARALLEL_MIN_ROWS rows (waking the threads costs more than the work)."""
     x, delta, h, qkv, attn, gate_up, act, rows_h, rows_q, rows_i = bufs
-    attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, k_cache, v_cache = w
-    positions, slots, cu_q, tables, cos, sin, eps, scale, num_heads, num_kv, head_dim, rope_dim = meta
+    attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, k_cache, v_cache, parts = w
+    qkv_bias, q_norm, k_norm, post_attn_norm, post_ffw_norm, cos, sin, window = parts
+    positions, slots, cu_q, tables, eps, scale, num_heads, num_kv, head_dim, rope_dim = meta
     par = num >= PARALLEL_MIN_ROWS
     xs, ds, hs, q, pos, out = x[:num], delta[:num], h[:num], qkv[:num], positions[:num], attn[:num]
     if first and par:
@@ -108,6 +113,8 @@ def _layer(num, first, bufs, w, meta):
     else:
         _add_rms_s(xs, ds, attn_norm, eps, hs)  # noqa: F821
     _qkv(hs, w_qkv, q, rows_h)  # noqa: F821
+    _bias(q, qkv_bias, par)  # noqa: F821
+    _head_norms(q, q_norm, k_norm, eps, num_heads, num_kv, head_dim, par)  # noqa: F821
     if par:
         _rope_p(q, pos, cos, sin, num_heads + num_kv, head_dim, rope_dim)  # noqa: F821
     else:
@@ -117,33 +124,53 @@ def _layer(num, first, bufs, w, meta):
     else:
         _write_s(q, k_cache, v_cache, slots[:num], num_heads * head_dim, num_kv * head_dim)  # noqa: F821
     if num * num_heads * (pos.max() + 1) >= PARALLEL_MIN_WORK:
-        _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, out)  # noqa: F821
+        _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
     else:
-        _attend_s(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, out)  # noqa: F821
+        _attend_s(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
     _o(out, w_o, ds, rows_q)  # noqa: F821
+    _post_norm(ds, post_attn_norm, eps, par)  # noqa: F821
     if par:
         _add_rms_p(xs, ds, ffn_norm, eps, hs)  # noqa: F821
     else:
         _add_rms_s(xs, ds, ffn_norm, eps, hs)  # noqa: F821
     _gu(hs, w_gu, gate_up[:num], rows_h)  # noqa: F821
     if par:
-        _swiglu_p(gate_up[:num], act[:num])  # noqa: F821
+        _act_p(gate_up[:num], act[:num])  # noqa: F821
     else:
-        _swiglu_s(gate_up[:num], act[:num])  # noqa: F821
+        _act_s(gate_up[:num], act[:num])  # noqa: F821
     _down(act[:num], w_down, ds, rows_i)  # noqa: F821
+    _post_norm(ds, post_ffw_norm, eps, par)  # noqa: F821
+
+
+_ROPES = {"adjacent": ops._ROPE, "neox": arch_ops._ROPE_NEOX}
+_ACTIVATIONS = {"silu": ops._SWIGLU, "gelu_tanh": arch_ops._GEGLU}
+
+
+def arch_key(arch) -> tuple:
+    """The layer-build key of an Architecture: (rope, qkv_bias, qk_norm, post_norms, activation)."""
+    return (arch.rope, arch.qkv_bias, arch.qk_norm, arch.post_norms, arch.activation)
+
+
+def _arch_parts(key: tuple) -> dict:
+    rope, qkv_bias, qk_norm, post_norms, activation = key
+    return dict(_rope_s=_ROPES[rope][0], _rope_p=_ROPES[rope][1],
+                _act_s=_ACTIVATIONS[activation][0], _act_p=_ACTIVATIONS[activation][1],
+                _bias=arch_ops.add_bias if qkv_bias else arch_ops.skip_bias,
+                _head_norms=arch_ops.head_norms if qk_norm else arch_ops.skip_head_norms,
+                _post_norm=arch_ops.post_norm if post_norms else arch_ops.skip_post_norm)
 
 
 @functools.cache
-def layer(products: tuple, kv_f16: bool, vector_attention: bool, path: str):
-    """The compiled layer for four product keys (qkv, o, gate_up, down) and the cache's kind."""
+def layer(products: tuple, kv_f16: bool, vector_attention: bool, path: str, arch: tuple):
+    """The compiled layer for four product keys (qkv, o, gate_up, down), the cache's kind and an `arch_key`."""
     write = attention._WRITE_KV_F16 if kv_f16 else attention._WRITE_KV
     attend = attention._ATTENTION_VEC if vector_attention else attention._ATTENTION
     bind = {name: product(key, path) for name, key in zip(("_qkv", "_o", "_gu", "_down"), products)}
     bind.update(_write_s=write[0], _write_p=write[1], _attend_s=attend[0], _attend_p=attend[1],
                 _rms_s=ops._RMS_NORM[0], _rms_p=ops._RMS_NORM[1], _add_rms_s=ops._ADD_RMS_NORM[0],
-                _add_rms_p=ops._ADD_RMS_NORM[1], _rope_s=ops._ROPE[0], _rope_p=ops._ROPE[1],
-                _swiglu_s=ops._SWIGLU[0], _swiglu_p=ops._SWIGLU[1])
-    tag = "__".join("_".join(k) for k in products) + ("_f16" if kv_f16 else "_f32") + ("_vec" if vector_attention else "")
+                _add_rms_p=ops._ADD_RMS_NORM[1], **_arch_parts(arch))
+    tag = ("__".join("_".join(k) for k in products) + ("_f16" if kv_f16 else "_f32") + ("_vec" if vector_attention else "")
+           + "__" + "_".join(str(v) for v in arch))
     return specialize(_layer, path, bind, tag=tag, parallel=False)
 
 

@@ -255,17 +255,28 @@ def f32_splat(typingctx, s, tt):
     return _f32(n)(types.float32, tt), codegen
 
 
+def _keep_lanes(cmp: str):
+    """Codegen of `v` with the lanes whose index (of each 16) fails `index cmp bound` set to `fill`."""
+
+    def codegen(context, builder, sig, args):
+        n = sig.args[0].count
+        ids = ir.Constant(ir.VectorType(_I32, n), [i % LANES for i in range(n)])
+        bound = _splat(builder, _int_arg(builder, args[1], _I32), ir.VectorType(_I32, n))
+        return builder.select(builder.icmp_signed(cmp, ids, bound), args[0], _splat(builder, args[2], sig.args[0].llvm()))
+
+    return codegen
+
+
 @_intrinsic
 def f32_keep(typingctx, v, count, fill):
     """v with lanes >= count (of each 16) set to the float32 `fill`."""
+    return v(v, count, types.float32), _keep_lanes("<")
 
-    def codegen(context, builder, sig, args):
-        n = v.count
-        ids = ir.Constant(ir.VectorType(_I32, n), [i % LANES for i in range(n)])
-        keep = builder.icmp_signed("<", ids, _splat(builder, _int_arg(builder, args[1], _I32), ir.VectorType(_I32, n)))
-        return builder.select(keep, args[0], _splat(builder, args[2], v.llvm()))
 
-    return v(v, count, types.float32), codegen
+@_intrinsic
+def f32_keep_from(typingctx, v, start, fill):
+    """v with lanes < start (of each 16) set to the float32 `fill` (start <= 0 keeps every lane)."""
+    return v(v, start, types.float32), _keep_lanes(">=")
 
 
 def _reduce(builder, v, combine):

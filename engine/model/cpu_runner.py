@@ -118,6 +118,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.rope_cos, self.rope_sin = ops.rope_tables(
             max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors()
         )
+        # Sliding-window layers rotate with their own base, unscaled (as llama.cpp does for Gemma 3).
+        self.rope_local = ops.rope_tables(max_pos, cfg.rope_dim, cfg.rope_theta_local, 1.0) if cfg.local_layers else None
         # K is stored transposed within a block so that one block's scores are a vector op over keys.
         # fp16 entries are kept as their uint16 bits (the kernels convert them exactly on load).
         self.kv_cache_dtype = kv_dtype_name(kv_cache_dtype, self.numerics, cfg, cache.block_size)  # "float16" | "float32"
@@ -146,11 +148,25 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                     model.dense(p + "ffn_norm.weight"),
                     pack_gguf_rows([model.tensor(p + "ffn_gate.weight"), model.tensor(p + "ffn_up.weight")], numerics),
                     pack_gguf_tensor(model.tensor(p + "ffn_down.weight"), numerics),
+                    self._layer_parts(model, p),
                 )
             )
         self.final_norm = model.dense("output_norm.weight")
         head = self.embed if cfg.tied_embeddings else model.tensor("output.weight")
         self.lm_head = pack_gguf_tensor(head, numerics)
+
+    def _layer_parts(self, model: GGUFModel, p: str) -> tuple:
+        """The architecture's optional per-layer vectors, empty where it has none:
+        (qkv bias [q + 2 kv], q norm [head_dim], k norm [head_dim], post-attention norm, post-FFN norm)."""
+        arch, none = self.config.arch, np.zeros(0, np.float32)
+        bias = none
+        if arch.qkv_bias:
+            bias = np.concatenate([model.dense(p + f"attn_{n}.bias").reshape(-1) for n in "qkv"])
+        q_norm, k_norm = (model.dense(p + "attn_q_norm.weight"), model.dense(p + "attn_k_norm.weight")) \
+            if arch.qk_norm else (none, none)
+        post = (model.dense(p + "post_attention_norm.weight"), model.dense(p + "post_ffw_norm.weight")) \
+            if arch.post_norms else (none, none)
+        return (bias, q_norm.reshape(-1), k_norm.reshape(-1), *post)
 
     def _alloc_activations(self) -> None:
         cfg, n = self.config, self.cache.max_num_batched_tokens
@@ -182,12 +198,16 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                       self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(cfg.intermediate_size))
         kv_f16 = self.k_cache.dtype == np.uint16
         vector = vector_shapes(cfg.head_dim, self.cache.block_size)
+        arch = layer_kernels.arch_key(cfg.arch)
         self._layer_calls = []
-        for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down) in enumerate(self.layers):
+        for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, parts) in enumerate(self.layers):
             keys = tuple(layer_kernels.product_key(w) for w in (w_qkv, w_o, w_gu, w_down))
+            window = cfg.window(i)
+            cos, sin = self.rope_local if window else (self.rope_cos, self.rope_sin)
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
-                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), self.k_cache[i], self.v_cache[i])
-            self._layer_calls.append((layer_kernels.layer(keys, kv_f16, vector, path), args))
+                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), self.k_cache[i], self.v_cache[i],
+                    (*parts, cos, sin, window))
+            self._layer_calls.append((layer_kernels.layer(keys, kv_f16, vector, path, arch), args))
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run the model over the ragged batch; returns logits [num_logits, vocab] (a view, valid until the next call)."""
@@ -198,8 +218,10 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         )
         x, delta = self.x[:T], self.delta[:T]
         embed_rows(self.embed, batch.token_ids[:T], x)
+        if cfg.arch.embed_scale:
+            x *= np.float32(np.sqrt(cfg.hidden_size))
         meta = (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
-                self.rope_cos, self.rope_sin, np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
+                np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim)
         for i, (run_layer, weights) in enumerate(self._layer_calls):
             run_layer(T, i == 0, self._bufs, weights, meta)

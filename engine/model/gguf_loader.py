@@ -1,10 +1,9 @@
-"""Read a Llama-architecture GGUF: hyperparameters from metadata, tensors by name.
+"""Read a GGUF of a supported architecture: hyperparameters from metadata, tensors by name.
 
-Every hyperparameter comes from the file's metadata; nothing is assumed about the
-model beyond "architecture == llama". Q and K weights keep GGUF's row permutation
-(llama.cpp's converter reorders each head's rows so that RoPE rotates adjacent
-pairs (2i, 2i+1)); the runtime therefore applies RoPE to adjacent pairs, which is
-the same function as Hugging Face's rotate-half on the unpermuted weights.
+Every hyperparameter comes from the file's metadata; how the architecture differs from Llama
+comes from its declaration (engine/model/architectures.py). Q and K weights keep the file's
+row order: llama.cpp permutes a Llama model's rows so that RoPE rotates adjacent pairs, and
+writes the other architectures unpermuted for rotate-half ("neox") RoPE.
 """
 
 from __future__ import annotations
@@ -15,7 +14,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+from engine.model.architectures import ARCHITECTURES, Architecture, architecture
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,14 @@ class ModelConfig:
     vocab_size: int
     context_length: int
     tied_embeddings: bool
+    arch: Architecture = ARCHITECTURES["llama"]
+    sliding_window: int = 0  # keys a local layer sees (itself included)
+    local_layers: tuple[int, ...] = ()  # the layers that attend over the sliding window
+    rope_theta_local: float = 0.0  # RoPE base of the local layers
+
+    def window(self, layer: int) -> int:
+        """Keys that `layer` attends to, itself included (0: all of them)."""
+        return self.sliding_window if layer in self.local_layers else 0
 
     @property
     def q_size(self) -> int:
@@ -61,11 +70,7 @@ class GGUFModel:
         self.path = Path(path)
         self.reader = gguf.GGUFReader(str(self.path))
         arch = str(_field(self.reader, "general.architecture"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported model architecture {arch!r} in {self.path.name}: "
-                f"Speculant runs {', '.join(SUPPORTED_ARCHITECTURES)} models"
-            )
+        architecture(arch, self.path.name)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.config = self._read_config(arch)
 
@@ -80,10 +85,13 @@ class GGUFModel:
         factor = float(_field(r, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
         embd = self.tensors["token_embd.weight"]
         vocab = int(_field(r, f"{arch}.vocab_size", int(embd.shape[1])))
+        decl = architecture(arch)
+        num_layers = int(_field(r, f"{arch}.block_count"))
+        window = int(_field(r, f"{arch}.attention.sliding_window", 0)) if decl.swa_pattern else 0
         return ModelConfig(
             architecture=arch,
             name=str(_field(r, "general.name", self.path.stem)),
-            num_layers=int(_field(r, f"{arch}.block_count")),
+            num_layers=num_layers,
             hidden_size=hidden,
             intermediate_size=int(_field(r, f"{arch}.feed_forward_length")),
             num_heads=num_heads,
@@ -96,7 +104,23 @@ class GGUFModel:
             vocab_size=vocab,
             context_length=int(_field(r, f"{arch}.context_length", 2048)),
             tied_embeddings="output.weight" not in self.tensors,
+            arch=decl,
+            sliding_window=window,
+            local_layers=self._local_layers(decl, num_layers) if window else (),
+            rope_theta_local=float(_field(r, f"{arch}.rope.freq_base_swa", decl.swa_rope_base or 10_000.0)),
         )
+
+    def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
+        """The sliding-window layers: the file's `sliding_window_pattern` (a period, or one flag per
+        layer) where it has one, else the architecture's period."""
+        pattern = _field(self.reader, f"{decl.name}.attention.sliding_window_pattern", decl.swa_pattern)
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != num_layers:
+                raise ValueError(f"{self.path.name}: sliding_window_pattern has {len(pattern)} flags "
+                                 f"for {num_layers} layers")
+            return tuple(i for i, local in enumerate(pattern) if local)
+        period = int(pattern)
+        return tuple(i for i in range(num_layers) if period > 0 and (i + 1) % period != 0)
 
     def tensor(self, name: str):
         try:
@@ -109,6 +133,10 @@ class GGUFModel:
         t = self.tensor(name)
         shape = tuple(int(s) for s in reversed(t.shape))
         return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+
+    def optional(self, name: str) -> np.ndarray | None:
+        """A 1-D tensor (norm weight, bias) as float32, or None when the file has none."""
+        return self.dense(name).reshape(-1) if name in self.tensors else None
 
     def rope_freq_factors(self) -> np.ndarray | None:
         """Llama-3 style per-frequency divisors (tensor rope_freqs.weight), if the file has them."""

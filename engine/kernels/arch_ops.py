@@ -1,0 +1,124 @@
+"""Per-row kernels of the architectures' optional parts (engine/model/architectures.py).
+
+Like ops.py: each row is computed by the same sequential float32 code whatever the batch, each
+kernel is built serial and parallel (`_twice`), and `par` picks one without changing a bit.
+A layer binds either the real kernel or `skip` for each part (engine/kernels/layer.py).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from engine.kernels.ops import _twice
+
+_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+_GELU_CUBIC = np.float32(0.044715)
+
+
+def _rope_neox(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
+    """Rotate pairs (i, i + rope_dim/2) of the first `num_rot_heads` heads of each row (q then k).
+
+    qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; cos/sin: [max_pos, rope_dim // 2].
+    """
+    half = rope_dim // 2
+    for t in nb.prange(qkv.shape[0]):
+        p = positions[t]
+        for h in range(num_rot_heads):
+            base = h * head_dim
+            for i in range(half):
+                c = cos[p, i]
+                s = sin[p, i]
+                a = qkv[t, base + i]
+                b = qkv[t, base + half + i]
+                qkv[t, base + i] = a * c - b * s
+                qkv[t, base + half + i] = b * c + a * s
+
+
+def _geglu(gate_up, out):
+    """out = gelu_tanh(gate) * up. gate_up: [num_tokens, 2 * inter] (gate | up); out: [num_tokens, inter]."""
+    inter = out.shape[1]
+    for t in nb.prange(out.shape[0]):
+        for i in range(inter):
+            g = gate_up[t, i]
+            inner = _SQRT_2_OVER_PI * (g + _GELU_CUBIC * g * g * g)
+            out[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * gate_up[t, inter + i]
+
+
+def _add_bias(qkv, bias):
+    # qkv: [num_tokens, n]; bias: [n]
+    for t in nb.prange(qkv.shape[0]):
+        for i in range(qkv.shape[1]):
+            qkv[t, i] += bias[i]
+
+
+def _head_norms(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim):
+    """RMSNorm over each q head (weight q_weight [head_dim]) and each k head (k_weight) of every row."""
+    for t in nb.prange(qkv.shape[0]):
+        for h in range(num_heads + num_kv_heads):
+            base = h * head_dim
+            acc = np.float32(0.0)
+            for i in range(head_dim):
+                acc += qkv[t, base + i] * qkv[t, base + i]
+            inv = np.float32(1.0) / np.sqrt(acc / np.float32(head_dim) + eps)
+            for i in range(head_dim):
+                w = q_weight[i] if h < num_heads else k_weight[i]
+                qkv[t, base + i] = qkv[t, base + i] * inv * w
+
+
+def _norm_inplace(x, weight, eps):
+    """x = rms_norm(x) * weight, row by row. x: [num_tokens, hidden]."""
+    for t in nb.prange(x.shape[0]):
+        acc = np.float32(0.0)
+        for i in range(x.shape[1]):
+            acc += x[t, i] * x[t, i]
+        inv = np.float32(1.0) / np.sqrt(acc / np.float32(x.shape[1]) + eps)
+        for i in range(x.shape[1]):
+            x[t, i] = x[t, i] * inv * weight[i]
+
+
+_ROPE_NEOX = _twice(_rope_neox)
+_GEGLU = _twice(_geglu)
+# Plain globals, not tuples: a jitted caller would type a tuple of dispatchers as first-class functions.
+_add_bias_s, _add_bias_p = _twice(_add_bias)
+_head_norms_s, _head_norms_p = _twice(_head_norms)
+_norm_inplace_s, _norm_inplace_p = _twice(_norm_inplace)
+
+
+@nb.njit(cache=True)
+def add_bias(qkv, bias, par):
+    if par:
+        _add_bias_p(qkv, bias)
+    else:
+        _add_bias_s(qkv, bias)
+
+
+@nb.njit(cache=True)
+def head_norms(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, par):
+    if par:
+        _head_norms_p(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
+    else:
+        _head_norms_s(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
+
+
+@nb.njit(cache=True)
+def post_norm(x, weight, eps, par):
+    if par:
+        _norm_inplace_p(x, weight, eps)
+    else:
+        _norm_inplace_s(x, weight, eps)
+
+
+@nb.njit(cache=True)
+def skip_bias(qkv, bias, par):
+    pass
+
+
+@nb.njit(cache=True)
+def skip_head_norms(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim, par):
+    pass
+
+
+@nb.njit(cache=True)
+def skip_post_norm(x, weight, eps, par):
+    pass

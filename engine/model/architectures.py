@@ -1,0 +1,67 @@
+"""The decoder architectures Speculant runs, each declared by how it differs from Llama.
+
+One forward (engine/kernels/layer.py) serves them all; an architecture only switches its
+optional parts on. The conventions are those of llama.cpp's GGUF converter, so the files
+people download load as they are:
+
+  rope        "adjacent": pairs (2i, 2i+1). llama.cpp permutes a Llama model's Q/K rows so that
+              this equals Hugging Face's rotate-half. "neox": pairs (i, i + rope_dim/2) on
+              unpermuted rows (Qwen 2/3, Gemma 3).
+  qkv_bias    q/k/v projections carry biases (blk.N.attn_{q,k,v}.bias).
+  qk_norm     RMSNorm over each head of q and k before RoPE (blk.N.attn_{q,k}_norm.weight).
+  post_norms  RMSNorm on each sublayer's output before the residual add
+              (blk.N.post_attention_norm.weight, blk.N.post_ffw_norm.weight).
+  activation  the gated FFN's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh form).
+  embed_scale embeddings times sqrt(hidden), rounded to float32 first (as Gemma does).
+  swa_pattern every n-th layer (n-1, 2n-1, ...) attends globally, the others over a sliding
+              window of `{arch}.attention.sliding_window` keys; 0: every layer global. A file's
+              own `{arch}.attention.sliding_window_pattern` takes precedence.
+  swa_rope_base  RoPE base of the sliding-window layers when the file does not give
+              `{arch}.rope.freq_base_swa` (llama.cpp's default for the architecture).
+
+Gemma's norm weights are stored in GGUF with its "1 +" already added, so every norm is x*w here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROPE_STYLES = ("adjacent", "neox")
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    name: str
+    rope: str = "adjacent"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    swa_pattern: int = 0
+    swa_rope_base: float = 0.0
+
+    def __post_init__(self):
+        assert self.rope in ROPE_STYLES and self.activation in ACTIVATIONS, self
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("llama"),  # Llama 1-3, Mistral, SmolLM: llama.cpp writes them all as "llama"
+        Architecture("qwen2", rope="neox", qkv_bias=True),
+        Architecture("qwen3", rope="neox", qk_norm=True),
+        Architecture("gemma3", rope="neox", qk_norm=True, post_norms=True, activation="gelu_tanh",
+                     embed_scale=True, swa_pattern=6, swa_rope_base=10_000.0),
+    )
+}
+
+
+def architecture(name: str, source: str = "the model") -> Architecture:
+    """The declaration of `name`; a ValueError naming it and the supported ones otherwise."""
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ValueError(f"unsupported model architecture {name!r} in {source}: "
+                         f"Speculant runs {', '.join(ARCHITECTURES)} models") from None

@@ -1,0 +1,261 @@
+"""A plain NumPy (float64) forward pass for the tiny architecture fixtures, read straight from their GGUF files.
+
+No torch: it is the independent reference the engine is checked against, and it is itself checked against
+Hugging Face transformers (tests/fixtures/make_arch_fixtures.py, tests/test_arch_fixtures.py).
+
+It follows llama.cpp's reading of a GGUF, one small function per feature:
+
+- llama:  RMSNorm, SwiGLU, grouped-query attention, RoPE on *adjacent* pairs (x[2i], x[2i+1]) applied to the
+          Q/K rows that convert_hf_to_gguf.py permuted, optional Llama-3 `rope_freqs.weight` (one divisor per
+          frequency), its own `output.weight`.
+- qwen2:  like llama but biases on Q/K/V and RoPE "NEOX" (rotate-half: x[i] pairs with x[i + d/2]), weights
+          unpermuted; tied output head (no `output.weight`: the embedding is reused).
+- qwen3:  NEOX RoPE, per-head RMSNorm of Q and K (attn_q_norm / attn_k_norm) before RoPE, head_dim from
+          `{arch}.attention.key_length` (not n_embd / n_head).
+- gemma3: NEOX RoPE, QK-norm, norms after attention and after the FFN (post_attention_norm, post_ffw_norm),
+          GELU (tanh approximation) gate, embeddings scaled by sqrt(n_embd), tied output head, attention scale
+          1/sqrt(head_dim), and sliding-window attention on the "local" layers: llama.cpp fixes the pattern at 6
+          (layer il is local iff il % 6 < 5) and the local RoPE base at 10000; a file's
+          `{arch}.attention.sliding_window_pattern` and `{arch}.rope.freq_base_swa` take precedence here.
+          A local layer's query at position p sees the keys at positions p - window < k <= p.
+          The "+1" of Gemma's RMSNorm is already folded into the stored norm weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+# ---------------------------------------------------------------- what each architecture does
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    rope: str                      # "adjacent" (llama.cpp LLAMA_ROPE_TYPE_NORM) or "neox" (rotate-half)
+    activation: str                # gate activation of the gated FFN: "silu" or "gelu_tanh"
+    embed_scale: bool = False      # multiply the token embeddings by sqrt(n_embd)
+    swa_period: int | None = None  # llama.cpp's built-in sliding-window period (None: every layer global)
+    swa_rope_base: float = 10000.0  # llama.cpp's built-in RoPE base for the local layers
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec(rope="adjacent", activation="silu"),
+    "qwen2": ArchSpec(rope="neox", activation="silu"),
+    "qwen3": ArchSpec(rope="neox", activation="silu"),
+    "gemma3": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=6),
+}
+
+
+@dataclass
+class RefModel:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    eps: float
+    rope_base: float
+    rope_base_swa: float
+    sliding_window: int            # 0: no sliding window
+    local_layers: frozenset[int]
+    rope_freqs: np.ndarray | None  # Llama-3 per-frequency divisors, or None
+    tensors: dict[str, np.ndarray] = field(repr=False)
+
+    @property
+    def spec(self) -> ArchSpec:
+        return ARCHS[self.arch]
+
+    def t(self, name: str) -> np.ndarray | None:
+        return self.tensors.get(name)
+
+
+# ---------------------------------------------------------------- reading the GGUF
+
+
+def _field(reader: gguf.GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def dequantize(t) -> np.ndarray:
+    """A GGUF tensor as float64, numpy shape (rows, row_length) = reversed GGUF dims."""
+    values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    return np.asarray(values, dtype=np.float64).reshape(tuple(int(d) for d in reversed(t.shape)))
+
+
+def local_layers(arch: str, n_layer: int, pattern) -> frozenset[int]:
+    """The sliding-window layers: the file's `sliding_window_pattern` (a period or one flag per layer), else
+    llama.cpp's built-in period for the architecture. As llama_hparams::set_swa_pattern: layer il is local iff
+    il % period < period - 1, and a period of 0 makes every layer local."""
+    if pattern is None:
+        pattern = ARCHS[arch].swa_period
+    if pattern is None:
+        return frozenset()
+    if isinstance(pattern, (list, tuple)):
+        return frozenset(i for i, flag in enumerate(pattern) if flag)
+    period = int(pattern)
+    return frozenset(i for i in range(n_layer) if period == 0 or i % period < period - 1)
+
+
+def load_gguf(path: str | Path) -> RefModel:
+    reader = gguf.GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ValueError(f"{path}: architecture {arch!r} is not one of {sorted(ARCHS)}")
+    n_embd = int(_field(reader, f"{arch}.embedding_length"))
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_layer = int(_field(reader, f"{arch}.block_count"))
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0))
+    tensors = {t.name: dequantize(t) for t in reader.tensors}
+    return RefModel(
+        arch=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(_field(reader, f"{arch}.attention.head_count_kv", n_head)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", n_embd // n_head)),
+        eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_base_swa=float(_field(reader, f"{arch}.rope.freq_base_swa", ARCHS[arch].swa_rope_base)),
+        sliding_window=window,
+        local_layers=local_layers(arch, n_layer, _field(reader, f"{arch}.attention.sliding_window_pattern"))
+        if window else frozenset(),
+        rope_freqs=tensors.get("rope_freqs.weight"),
+        tensors=tensors,
+    )
+
+
+# ---------------------------------------------------------------- the pieces
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (Gemma's 1 + w is already in `weight`)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x @ W^T (+ b); W is stored (out_features, in_features)."""
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def rope_inv_freq(base: float, dim: int, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """theta_i = base^(-2i/dim), divided by the Llama-3 factors when the file has `rope_freqs.weight`."""
+    inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+    return inv if freq_factors is None else inv / freq_factors
+
+
+def rope_adjacent(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """llama.cpp "normal" RoPE: rotates the adjacent pairs (x[2i], x[2i+1]) of each head. x: (T, H, D)."""
+    ang = positions[:, None, None] * inv_freq[None, None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = odd * cos + even * sin
+    return out
+
+
+def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """NEOX / Hugging Face rotate-half RoPE: x[i] pairs with x[i + D/2]. x: (T, H, D)."""
+    half = x.shape[-1] // 2
+    ang = positions[:, None, None] * inv_freq[None, None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention_mask(n: int, window: int = 0) -> np.ndarray:
+    """allowed[q, k]: causal, and with a sliding window only the keys p - window < k <= p."""
+    q = np.arange(n)[:, None]
+    k = np.arange(n)[None, :]
+    allowed = k <= q
+    if window:
+        allowed &= (q - k) < window
+    return allowed
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, allowed: np.ndarray) -> np.ndarray:
+    """Grouped-query softmax attention. q: (T, H, D), k/v: (T, Hkv, D) -> (T, H * D)."""
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) * scale
+    scores = np.where(allowed[None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    out = np.einsum("hqk,khd->qhd", p, v)
+    return out.reshape(out.shape[0], -1)
+
+
+def gated_ffn(m: RefModel, il: int, x: np.ndarray) -> np.ndarray:
+    act = silu if m.spec.activation == "silu" else gelu_tanh
+    b = f"blk.{il}."
+    return linear(act(linear(x, m.t(b + "ffn_gate.weight"))) * linear(x, m.t(b + "ffn_up.weight")),
+                  m.t(b + "ffn_down.weight"))
+
+
+def self_attention(m: RefModel, il: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    b = f"blk.{il}."
+    n = x.shape[0]
+    q = linear(x, m.t(b + "attn_q.weight"), m.t(b + "attn_q.bias")).reshape(n, m.n_head, m.head_dim)
+    k = linear(x, m.t(b + "attn_k.weight"), m.t(b + "attn_k.bias")).reshape(n, m.n_head_kv, m.head_dim)
+    v = linear(x, m.t(b + "attn_v.weight"), m.t(b + "attn_v.bias")).reshape(n, m.n_head_kv, m.head_dim)
+    if m.t(b + "attn_q_norm.weight") is not None:  # QK-norm (qwen3, gemma3): per head, before RoPE
+        q = rms_norm(q, m.t(b + "attn_q_norm.weight"), m.eps)
+        k = rms_norm(k, m.t(b + "attn_k_norm.weight"), m.eps)
+    local = il in m.local_layers
+    base = m.rope_base_swa if local else m.rope_base
+    inv_freq = rope_inv_freq(base, m.head_dim, m.rope_freqs)
+    rope = rope_adjacent if m.spec.rope == "adjacent" else rope_neox
+    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    allowed = attention_mask(n, m.sliding_window if local else 0)
+    out = attention(q, k, v, 1.0 / np.sqrt(m.head_dim), allowed)
+    return linear(out, m.t(b + "attn_output.weight"))
+
+
+def block(m: RefModel, il: int, h: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One decoder layer: pre-norm attention and FFN, each optionally post-normed (gemma3)."""
+    b = f"blk.{il}."
+    a = self_attention(m, il, rms_norm(h, m.t(b + "attn_norm.weight"), m.eps), positions)
+    if m.t(b + "post_attention_norm.weight") is not None:
+        a = rms_norm(a, m.t(b + "post_attention_norm.weight"), m.eps)
+    h = h + a
+    f = gated_ffn(m, il, rms_norm(h, m.t(b + "ffn_norm.weight"), m.eps))
+    if m.t(b + "post_ffw_norm.weight") is not None:
+        f = rms_norm(f, m.t(b + "post_ffw_norm.weight"), m.eps)
+    return h + f
+
+
+def forward(m: RefModel, tokens) -> np.ndarray:
+    """Logits (T, n_vocab), float64, for one sequence starting at position 0."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    embd = m.t("token_embd.weight")
+    h = embd[tokens]
+    if m.spec.embed_scale:
+        h = h * np.sqrt(m.n_embd)
+    positions = np.arange(len(tokens), dtype=np.float64)
+    for il in range(m.n_layer):
+        h = block(m, il, h, positions)
+    h = rms_norm(h, m.t("output_norm.weight"), m.eps)
+    head = m.t("output.weight")
+    return linear(h, embd if head is None else head)
+
+
+def variant(m: RefModel, **changes) -> RefModel:
+    """A copy with some fields changed (e.g. sliding_window=0), to show that a feature matters."""
+    return dataclasses.replace(m, **changes)
