@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", default=None, help="ZeroMQ endpoint to bind (default: $SPECULANT_ENGINE_ENDPOINT)")
     p.add_argument("--served-model-name", default=None, help="model name shown in /v1/models")
 
-    p = sub.add_parser("fetch-model", help="download and verify a known model into the cache")
+    p = sub.add_parser("fetch", help="download and verify a known model (smollm2-135m, gemma3-270m) into the cache")
+    p.add_argument("model", nargs="?", default="smollm2-135m", help="known model name (default: smollm2-135m)")
+    p = sub.add_parser("fetch-model", help="the same as `fetch`, with the name as --model")
     p.add_argument("--model", default="smollm2-135m")
 
     sub.add_parser("proposers", help="list installed proposers (entry point group speculant.proposers)")
@@ -103,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "engine": ("engine.serving.worker", "main"),
         "gateway": ("gateway.server", "main"),
+        "fetch": ("engine.model.model_files", "cli_fetch"),
         "fetch-model": ("engine.model.model_files", "cli_fetch"),
         "proposers": ("proposers.registry", "cli_list"),
         "keygen": ("engine.serving.zmq_security", "cli_keygen"),

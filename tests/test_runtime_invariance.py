@@ -17,7 +17,7 @@ from engine.model.cpu_runner import ForwardBatch
 class Harness:
     """Feeds runs of tokens for several requests through the runner, tracking their caches."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, columns: np.ndarray | None = None):
         # Blocks come from the engine's own manager: the runner's KV cache is shared with it, and
         # writing blocks it believes hold a cached prefix would corrupt later requests.
         self.runner = engine.runner
@@ -25,6 +25,7 @@ class Harness:
         self.batch = ForwardBatch(self.runner.cache)
         self.tables: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
+        self.columns = columns  # keep only these vocabulary columns of each row (None: all)
 
     def step(self, runs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Append each request's run; returns logits for every appended token, per request."""
@@ -37,7 +38,8 @@ class Harness:
         logits = self.runner.forward(self.batch)
         out, row = {}, 0
         for rid, run in runs.items():
-            out[rid] = logits[row : row + len(run)].copy()
+            rows = logits[row : row + len(run)]
+            out[rid] = rows.copy() if self.columns is None else rows[:, self.columns]
             row += len(run)
             self.cached[rid] += len(run)
         return out
@@ -47,9 +49,11 @@ class Harness:
             self.blocks.free_blocks(table)
 
 
-def feed(engine, tokens: np.ndarray, chunks: list[int], others: dict[str, np.ndarray] | None = None) -> np.ndarray:
-    """Logits of every token of `tokens`, fed in the given chunk sizes, optionally beside other requests."""
-    h = Harness(engine)
+def feed(engine, tokens: np.ndarray, chunks: list[int], others: dict[str, np.ndarray] | None = None,
+         columns: np.ndarray | None = None) -> np.ndarray:
+    """Logits of every token of `tokens` (only `columns` of them, if given), fed in the given chunk sizes,
+    optionally beside other requests."""
+    h = Harness(engine, columns)
     others = others or {}
     other_pos = dict.fromkeys(others, 0)
     rows, pos = [], 0

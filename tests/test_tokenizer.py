@@ -177,7 +177,9 @@ def test_template_helpers_and_errors(tmp_path):
 def test_unsupported_gguf_tokenizers_raise_value_error(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.ggml.pre: unsupported pre-tokenizer 'mystery'"):
         Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "a.gguf", pre="mystery"))
-    with pytest.raises(ValueError, match="tokenizer.ggml.model: .*'llama'"):
-        Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "b.gguf", model="llama"))
+    with pytest.raises(ValueError, match="tokenizer.ggml.model: .*'bert'"):
+        Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "b.gguf", model="bert"))
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores"):  # SentencePiece, but no scores
+        Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "d.gguf", model="llama"))
     with pytest.raises(ValueError, match="text"):
         Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "c.gguf")).encode(b"bytes")

@@ -1,18 +1,21 @@
 """Streaming token ids -> text deltas that never split a UTF-8 character.
 
-A byte-level BPE token may carry part of a character (an emoji is often 2-4 tokens), so text
-can only be released once its bytes are complete. Two strategies, same contract:
+A byte-level BPE token, or a SentencePiece `<0xNN>` byte-fallback token, may carry part of a
+character (an emoji is often 2-4 tokens), so text can only be released once its bytes are
+complete. Two strategies, same contract:
 
-* exact bytes (tokenizers with `id_to_bytes`, i.e. byte-level BPE): concatenate the token bytes
-  and run them through an incremental UTF-8 decoder, which holds back exactly the bytes of an
-  unfinished character. O(1) per token, never behind by more than 3 bytes.
+* exact bytes (tokenizers with `id_to_bytes`, as engine.model.tokenizer's): concatenate the
+  token bytes and run them through an incremental UTF-8 decoder, which holds back exactly the
+  bytes of an unfinished character. O(1) per token, never behind by more than 3 bytes.
 * prefix/read offsets (any tokenizer with `decode`): decode a short window of ids, starting a
   few tokens before the new ones so context-dependent decoders (leading-space rules) see their
   left neighbour, and release the text past what was already released, holding back a trailing
   U+FFFD (an incomplete byte sequence decodes to exactly one). The window restarts at every
   clean character boundary.
 
-Either way, the deltas plus `flush()` concatenate to `tokenizer.decode(output_ids)`.
+Either way, the deltas plus `flush()` concatenate to `tokenizer.decode(output_ids)`; one
+exception, SentencePiece files that put a "▁" before the text (Llama 2, Mistral): their `decode`
+drops the leading space of a first "▁word" token, as a continuation's stream must not.
 """
 
 from __future__ import annotations

