@@ -22,6 +22,7 @@ class Completion:
     drafted: list[bool] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_grammar_tokens: int = 0  # accepted drafts a grammar forced
     num_steps: int = 0
 
 
@@ -49,6 +50,7 @@ def generate(engine, prompts: list, params: SamplingParams | list[SamplingParams
             c.logprobs += out.logprobs or []
             c.drafted += out.drafted or []
             c.num_draft_tokens, c.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
+            c.num_grammar_tokens = out.num_grammar_tokens
             c.num_steps += 1
     return list(results.values())
 

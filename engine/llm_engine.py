@@ -25,8 +25,10 @@ from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
 from engine.spec_decode.spec_log import SpecLogger
 from engine.spec_decode.step_batch import StepBatch
+from engine.structured.grammars import GRAMMAR_SOURCE, Grammars
 
 log = logging.getLogger("speculant.engine")
+GRAMMAR_MAX_DRAFTS = 16  # most grammar-forced tokens drafted in one step
 
 
 class LLMEngine:
@@ -48,7 +50,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.states: dict[str, OutputState] = {}
         self.accepted_per_pos = np.zeros(max(self.num_speculative_tokens, 1), np.int64)
-        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_grammar_tokens": 0}
+        self.grammars = Grammars(self.tokenizer, parts.runner.config.vocab_size)
+        self.forced: dict[str, list[int]] = {}  # this step: request -> the tokens its grammar forces next
         self.spec_logger = SpecLogger()
 
     @classmethod
@@ -63,6 +67,11 @@ class LLMEngine:
         self.proposers.get(msg.params.speculative_method)  # an unknown method is refused before anything starts
         ids = prompt_token_ids(msg, self.tokenizer)
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
+        if msg.params.grammar is not None:
+            if not self.runner.supports_grammars:
+                raise InvalidRequest("response_format: constrained decoding runs on the CPU backend only",
+                                     "response_format")
+            self.grammars.start(msg.request_id, msg.params.grammar)
         seq = Sequence(msg.request_id, ids, msg.params, self.max_model_len + self.num_speculative_tokens + 1)
         self.seqs[seq.request_id] = seq
         self.states[seq.request_id] = OutputState(self.tokenizer, seq, self.max_model_len)
@@ -86,6 +95,7 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self.states.pop(seq.request_id, None)
         self.proposers.stop(seq.request_id)
+        self.grammars.stop(seq.request_id)
 
     # ------------------------------------------------------------------ the step
 
@@ -96,6 +106,8 @@ class LLMEngine:
         drafts = self.propose(sched)
         batch = self.step_batch.build(sched, drafts)
         logits = self.runner.forward(batch.forward)  # [num_logits, vocab]
+        if self.grammars.matchers:  # row j of a request under a grammar: its state after drafts 0..j-1
+            self.grammars.mask_rows(logits, batch.grammar_runs(sched, self.grammars.matchers))
         self.step_batch.verify(logits, self.spec)
         outputs = self.accept_and_emit(sched, logits)
         if self.proposer is not None:
@@ -107,37 +119,54 @@ class LLMEngine:
         return self.scheduler.schedule(self._draft_room).scheduled
 
     def _draft_room(self, seq: Sequence) -> int:
+        remaining = seq.params.max_tokens - seq.num_output_tokens
+        if seq.request_id in self.grammars.matchers:  # the grammar's forced tokens are free drafts
+            cap = seq.params.num_speculative_tokens
+            limit = min(GRAMMAR_MAX_DRAFTS if cap is None else cap, remaining - 1)
+            self.forced[seq.request_id] = self.grammars.forced(seq.request_id, limit)
         proposer = self.proposers.of(seq.request_id)
         if proposer is None:
-            return 0
-        remaining = seq.params.max_tokens - seq.num_output_tokens
+            return len(self.forced.get(seq.request_id, ()))
         caps = self.controller.room(seq.params.num_speculative_tokens, seq.draft_stats, remaining,
                                     proposer.draft_sources)
         self.draft_caps[seq.request_id] = caps
-        return max(caps.values(), default=0)
+        return max(max(caps.values(), default=0), len(self.forced.get(seq.request_id, ())))
 
-    def propose(self, sched: list[ScheduledSeq]):
-        """Drafts for the requests that reserved room (decodes); others get none."""
+    def propose(self, sched: list[ScheduledSeq]) -> dict:
+        """Drafts of the requests that reserved room (decodes): request -> (token ids, q or None)."""
         self.draft_source = {}
-        if self.proposer is None:
-            return None
+        forced, self.forced = self.forced, {}
+        caps, self.draft_caps = self.draft_caps, {}
+        asks = [s for s in sched if s.max_draft_tokens > 0 and not forced.get(s.seq.request_id)]
+        draft_of = self._proposer_drafts(asks, caps) if self.proposer is not None and asks else {}
+        for s in sched:
+            rid = s.seq.request_id
+            if forced.get(rid) and s.max_draft_tokens > 0:
+                draft_of[rid] = (np.asarray(forced[rid][: s.max_draft_tokens], np.int32), None)
+                self.draft_source[rid] = GRAMMAR_SOURCE
+            elif rid in self.grammars.matchers and rid in draft_of:  # cut at the first draft the grammar forbids
+                ids, probs = draft_of[rid]
+                n = self.grammars.valid_prefix(rid, ids)
+                n += n < len(ids) and probs is not None and s.seq.params.temperature > 0  # see engine/structured
+                draft_of[rid] = (ids[:n], None if probs is None else probs[:n])
+        return draft_of
+
+    def _proposer_drafts(self, sched: list[ScheduledSeq], caps: dict) -> dict:
         from proposers.base import DraftRequest
 
         asks = [
             DraftRequest(s.seq.request_id, s.seq.token_ids[: s.seq.num_tokens], s.seq.num_prompt_tokens,
-                         s.max_draft_tokens, s.seq.params.temperature, s.seq.rng,
-                         self.draft_caps.get(s.seq.request_id))
-            for s in sched if s.max_draft_tokens > 0
+                         s.max_draft_tokens, s.seq.params.temperature, s.seq.rng, caps.get(s.seq.request_id))
+            for s in sched
         ]
-        self.draft_caps = {}
-        if not asks:
-            return None
         drafts = self.proposers.propose(asks)
         self.draft_source = {a.request_id: src for a, src, t in zip(asks, drafts.sources, drafts.token_ids) if len(t)}
         for source, seconds in drafts.seconds.items():
             num_tokens = sum(len(t) for t, src in zip(drafts.token_ids, drafts.sources) if src == source)
             self.controller.note_draft_time(source, seconds, num_tokens)
-        return drafts
+        probs = drafts.probs or [None] * len(asks)
+        return {a.request_id: (ids[: a.max_draft_tokens], None if p is None else p[: a.max_draft_tokens])
+                for a, ids, p in zip(asks, drafts.token_ids, probs)}
 
     def accept_and_emit(self, sched: list[ScheduledSeq], logits: np.ndarray) -> list[Output]:
         outputs = []
@@ -156,7 +185,12 @@ class LLMEngine:
         token_ids, num_drafts, num_accepted, rows = result
         self._record_spec(seq, num_drafts, num_accepted)
         state = self.states[seq.request_id]
+        grammar_done = False
+        if seq.request_id in self.grammars.matchers:
+            token_ids, grammar_done = self._advance_grammar(seq, token_ids, num_accepted)
         num_taken = state.add_tokens(seq, token_ids)
+        if grammar_done and seq.finish_reason is None:
+            seq.finish_reason = "stop"
         # The KV of the accepted drafts was written by this forward: they are now computed.
         seq.num_computed_tokens = min(seq.num_computed_tokens + min(num_accepted, num_taken), seq.num_tokens - 1)
         self._hash_blocks(seq)
@@ -170,6 +204,15 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self._release(seq)
         return out
+
+    def _advance_grammar(self, seq: Sequence, token_ids: np.ndarray, num_accepted: int) -> tuple[np.ndarray, bool]:
+        """The grammar consumes the step's tokens up to where it completes; returns those tokens and whether
+        it completed (the request then stops there, exactly where plain constrained decoding stops)."""
+        n, done = self.grammars.advance(seq.request_id, token_ids)
+        if self.draft_source.get(seq.request_id) == GRAMMAR_SOURCE:
+            seq.num_grammar_tokens += min(num_accepted, n)
+            self.totals["num_grammar_tokens"] += min(num_accepted, n)
+        return token_ids[:n], done
 
     def _observe_hidden(self, i: int, item: ScheduledSeq, num_accepted: int) -> None:
         """Hand a hidden-state proposer the target features of the rows that are now true tokens."""
@@ -207,7 +250,12 @@ class LLMEngine:
         )
 
     def _record_spec(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        self.controller.record(seq.draft_stats, self.draft_source.get(seq.request_id), num_drafts, num_accepted)
+        source = self.draft_source.get(seq.request_id)
+        if source == GRAMMAR_SOURCE:  # forced drafts say nothing about the proposer
+            source, num_drafts_seen = None, 0
+        else:
+            num_drafts_seen = num_drafts
+        self.controller.record(seq.draft_stats, source, num_drafts_seen, num_accepted)
         if num_drafts == 0:
             return
         seq.num_drafts += 1

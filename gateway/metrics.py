@@ -18,7 +18,12 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+SPEC_COUNTERS = {  # WorkerStats field -> help text; exposed as speculant:spec_decode_<field>_total
+    "num_drafts": "Speculative decoding steps that proposed drafts.",
+    "num_draft_tokens": "Draft tokens proposed.",
+    "num_accepted_tokens": "Draft tokens accepted.",
+    "num_grammar_tokens": "Accepted draft tokens that a structured-output grammar forced.",
+}
 
 
 class GatewayMetrics:
@@ -48,8 +53,8 @@ class GatewayMetrics:
         self.request_success = Counter("speculant:request_success", "Finished requests.",
                                        ["model_name", "finished_reason"], registry=r)
         self.preemptions = Counter("speculant:num_preemptions", "Preemptions.", e, registry=r)
-        self.spec = {name: Counter(f"speculant:spec_decode_{name}", f"Speculative decoding {name}.", e, registry=r)
-                     for name in SPEC_COUNTERS}
+        self.spec = {name: Counter(f"speculant:spec_decode_{name}", help_text, e, registry=r)
+                     for name, help_text in SPEC_COUNTERS.items()}
         self.spec_per_pos = Counter("speculant:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted draft tokens at each draft position.", e + ["position"], registry=r)
         self._last_stats: dict[str, protocol.WorkerStats] = {}

@@ -8,7 +8,7 @@ fields we cannot honour are declared here so that a non-default value gets a 400
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -31,11 +31,35 @@ class SpeculativeOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 
 
 class SpeculantOptions(msgspec.Struct, kw_only=True):
-    provenance: bool = False  # per-token "drafted vs target" flags on the stream
+    """Speculant extensions. `provenance`: per-token "drafted vs target" flags on the stream.
+    `regex` (Rust regex syntax, matched by the whole output) or `grammar` (`grammar_syntax` "lark",
+    the default, or "gbnf" as llama.cpp writes it) constrains the output; at most one output
+    constraint per request, counting a JSON `response_format`.
+    """
+
+    provenance: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    grammar_syntax: Literal["lark", "gbnf"] | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema` (what `client.chat.completions.parse` sends). `schema`
+    is required here. With `strict: true` schema keywords we cannot enforce are a 400; otherwise
+    they are ignored and the rest of the schema is still enforced.
+    """
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`type`: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(msgspec.Struct, kw_only=True):
@@ -58,6 +82,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     speculative: SpeculativeOptions | None = None
     speculative_n_max: int | None = msgspec.field(name="speculative.n_max", default=None)
     speculant: SpeculantOptions | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
@@ -87,7 +112,6 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     add_generation_prompt: bool | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)

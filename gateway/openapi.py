@@ -9,6 +9,7 @@ described, not encoded, so the document never promises more than the code checks
 from __future__ import annotations
 
 import functools
+import inspect
 
 import msgspec
 
@@ -34,6 +35,26 @@ PROMPT_SCHEMA = {
     ],
 }
 
+RESPONSE_FORMAT_TYPE = {
+    "type": "string", "enum": ["text", "json_object", "json_schema"],
+    "description": "text: no constraint; json_object: any JSON object; json_schema: the JSON schema in "
+                   "`json_schema.schema` (an llguidance grammar enforces it while decoding).",
+}
+_COUNT = {"type": "integer", "minimum": 0}
+SPECULATIVE_USAGE = {
+    "type": "object",
+    "description": "Speculant extension: the request's speculative decoding totals.",
+    "properties": {
+        "num_drafts": {**_COUNT, "description": "Steps that proposed drafts."},
+        "num_draft_tokens": {**_COUNT, "description": "Draft tokens proposed."},
+        "num_accepted_tokens": {**_COUNT, "description": "Draft tokens accepted."},
+        "num_grammar_tokens": {**_COUNT, "description": "Accepted draft tokens that the output constraint "
+                               "(response_format, speculant.regex or speculant.grammar) forced: 0 unconstrained."},
+        "mean_acceptance_length": {"anyOf": [{"type": "number"}, {"type": "null"}],
+                                   "description": "1 + accepted / drafts (vLLM's convention); null without drafts."},
+    },
+}
+
 RESPONSE_SCHEMAS = {
     "ErrorResponse": {
         "type": "object",
@@ -50,8 +71,7 @@ RESPONSE_SCHEMAS = {
         "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
         "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
                        "total_tokens": {"type": "integer"},
-                       "speculative": {"type": "object", "description": "num_drafts, num_draft_tokens, "
-                                       "num_accepted_tokens, mean_acceptance_length"}},
+                       "speculative": SPECULATIVE_USAGE},
     },
     "Completion": {
         "type": "object",
@@ -136,6 +156,10 @@ def openapi_spec() -> dict:
     _, components = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest], ref_template=REF)
     components["CompletionRequest"]["properties"]["prompt"] = PROMPT_SCHEMA
     components["CompletionRequest"]["required"] = ["prompt"]
+    components["ResponseFormat"]["properties"]["type"] = RESPONSE_FORMAT_TYPE
+    for schema in components.values():  # Struct docstrings, without their source indentation
+        if "description" in schema:
+            schema["description"] = inspect.cleandoc(schema["description"])
     return {
         "openapi": "3.1.0",
         "info": {"title": "Speculant", "version": gateway.__version__,

@@ -85,6 +85,7 @@ class ResponseBuilder:
             "num_drafts": num_drafts,
             "num_draft_tokens": last.num_draft_tokens if last else 0,
             "num_accepted_tokens": num_accepted,
+            "num_grammar_tokens": last.num_grammar_tokens if last else 0,  # accepted drafts the grammar forced
             # vLLM's convention: the bonus/recovered token counts, so 1 + accepted per draft.
             "mean_acceptance_length": round(1 + num_accepted / num_drafts, 4) if num_drafts else None,
         }

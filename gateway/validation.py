@@ -3,6 +3,8 @@
 Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
 a per-request speculation cap `speculative.n_max` in 0..64, and `speculative.method` a proposer name.
+Output constraints (`response_format`, `speculant.regex` / `speculant.grammar`) are compiled and
+checked in `gateway.constraints`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 import msgspec
 
 from engine.serving import protocol
+from gateway.constraints import grammar_for
 from gateway.errors import OpenAIError, bad_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -79,6 +82,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions) -> protocol.Samp
         num_speculative_tokens=_spec_cap(req),
         speculative_method=_spec_method(req),
         include_provenance=opts.provenance,
+        grammar=grammar_for(req),  # last: a first-seen schema is the costliest check
     )
 
 
@@ -179,8 +183,6 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     _common_checks(req)
     _unsupported(not req.tools, "tools", "tools are not supported")
     _unsupported(req.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
-    _unsupported(req.response_format is None or req.response_format.type == "text", "response_format",
-                 "only response_format type 'text' is supported")
     mct = req.max_completion_tokens
     _require(mct is None or mct >= 1, "max_completion_tokens", "max_completion_tokens must be at least 1")
     top = req.top_logprobs

@@ -48,7 +48,8 @@ def test_chat_stream_chunks_parse_as_openai_chunks():
     assert usage.choices == [] and (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (7, 3)
     assert usage.usage.total_tokens == 10
     spec = usage.usage.model_extra["speculative"]
-    assert spec == {"num_drafts": 2, "num_draft_tokens": 5, "num_accepted_tokens": 2, "mean_acceptance_length": 2.0}
+    assert spec == {"num_drafts": 2, "num_draft_tokens": 5, "num_accepted_tokens": 2, "num_grammar_tokens": 0,
+                    "mean_acceptance_length": 2.0}
     assert "speculant" not in b.chunk(outputs()[0])  # provenance is opt-in
 
 
@@ -131,12 +132,15 @@ def test_routing_picks_the_least_busy_worker_of_the_model():
 
 def test_spec_counters_follow_worker_totals():
     metrics = GatewayMetrics()
-    metrics.observe_heartbeat("m", "w", protocol.WorkerStats(num_drafts=4, accepted_per_pos=[3, 1]))
-    metrics.observe_heartbeat("m", "w", protocol.WorkerStats(num_drafts=6, accepted_per_pos=[4, 2]))
+    metrics.observe_heartbeat("m", "w", protocol.WorkerStats(num_drafts=4, accepted_per_pos=[3, 1],
+                                                             num_grammar_tokens=2))
+    metrics.observe_heartbeat("m", "w", protocol.WorkerStats(num_drafts=6, accepted_per_pos=[4, 2],
+                                                             num_grammar_tokens=5))
     metrics.observe_heartbeat("m", "w", protocol.WorkerStats(num_drafts=1, accepted_per_pos=[1, 0]))  # restarted
     get = metrics.registry.get_sample_value
     labels = {"model_name": "m", "engine": "w"}
     assert get("speculant:spec_decode_num_drafts_total", labels) == 7
+    assert get("speculant:spec_decode_num_grammar_tokens_total", labels) == 5
     assert get("speculant:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "0"}) == 5
     metrics.forget_worker("m", "w")
     assert get("speculant:num_requests_running", labels) is None

@@ -93,7 +93,18 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "n": 3}, "n"),
     ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "objectx"}}}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": "object"}}}, "response_format.json_schema.schema"),
+    ("completions", {"prompt": "a", "response_format": {"type": "yaml"}}, "response_format"),
+    ("completions", {"prompt": "a", "speculant": {"regex": "("}}, "speculant.regex"),
+    ("completions", {"prompt": "a", "speculant": {"grammar": "start: x"}}, "speculant.grammar"),
+    ("completions", {"prompt": "a", "speculant": {"grammar": "x", "grammar_syntax": "ebnf"}},
+     "speculant.grammar_syntax"),
+    ("completions", {"prompt": "a", "response_format": {"type": "json_object"}, "speculant": {"regex": "a"}},
+     "speculant.regex"),
     ("chat/completions", {"messages": CHAT, "stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage"),
 ]
@@ -115,13 +126,42 @@ async def test_unparseable_body_is_400(client, raw):
     assert_openai_error(await resp.json(), None)
 
 
-async def test_valid_request_without_workers_is_503(client):
-    resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4})
+@pytest.mark.parametrize("extra", [{}, {"response_format": {"type": "json_object"}},
+                                   {"speculant": {"regex": "[0-9]+", "provenance": True}}])
+async def test_valid_request_without_workers_is_503(client, extra):
+    resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503
     assert resp.headers["Retry-After"] == "1"
     body = await resp.json()
     assert_openai_error(body, None)
     assert body["error"]["code"] == "no_workers"
+
+
+async def test_the_openai_clients_parse_request_passes_validation(client):
+    """`client.chat.completions.parse(response_format=PydanticModel)` as the SDK sends it (a strict
+    json_schema with additionalProperties false and $defs/$ref) compiles to a grammar: it gets past
+    validation to the 503 of a gateway with no worker, after one new entry in the grammar cache."""
+    import openai
+    from pydantic import BaseModel
+
+    from gateway.constraints import CACHE
+
+    class Item(BaseModel):
+        name: str
+        count: int
+
+    class Order(BaseModel):
+        items: list[Item]
+        note: str | None
+
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    misses = CACHE.misses
+    for _ in range(2):
+        with pytest.raises(openai.APIStatusError) as err:
+            await sdk.chat.completions.parse(model="m", messages=CHAT, response_format=Order)
+        assert err.value.status_code == 503, err.value.body
+    assert CACHE.misses == misses + 1  # compiled once, then served from the cache
+    await sdk.close()
 
 
 async def test_health_is_503_until_a_worker_is_ready(client):
@@ -181,6 +221,7 @@ async def test_metrics_exposes_vllm_style_names(client):
         "speculant:spec_decode_num_draft_tokens_total",
         "speculant:spec_decode_num_accepted_tokens_total",
         "speculant:spec_decode_num_accepted_tokens_per_pos_total",
+        "speculant:spec_decode_num_grammar_tokens_total",
     ]:
         assert f"# TYPE {name} " in text, name
 

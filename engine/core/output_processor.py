@@ -101,4 +101,5 @@ def make_output(seq: Sequence, state: OutputState, new_ids, drafted, logprobs) -
         num_drafts=seq.num_drafts,
         num_draft_tokens=seq.num_draft_tokens,
         num_accepted_tokens=seq.num_accepted_tokens,
+        num_grammar_tokens=seq.num_grammar_tokens,
     )

@@ -39,6 +39,7 @@ class Sequence:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_grammar_tokens = 0  # accepted drafts its grammar forced
         self.draft_stats: dict[str, SourceStats] = {}  # draft source -> its acceptance for this request
 
     @property

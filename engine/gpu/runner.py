@@ -29,6 +29,7 @@ RESERVED_BYTES = 512 << 20  # CUDA graphs, cuBLAS, kernel images, allocator slac
 
 class GpuRunner:  # implements engine.model.runner_api.ModelRunner
     provides_hidden_states = False
+    supports_grammars = False  # grammar masks are applied to host logits
     numerics = "exact"  # what a proposer's CPU kernels use beside this runner
     capture_hidden = False
 

@@ -89,6 +89,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
     draft); `weights_from` shares another runner's packed weights instead of packing them again."""
 
     provides_hidden_states = True
+    supports_grammars = True  # grammar masks are applied to host logits
 
     def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0,
                  num_layers: int | None = None, weights_from: "CpuRunner | None" = None, numerics: str = "int8",

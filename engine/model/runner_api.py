@@ -15,6 +15,7 @@ class ModelRunner(Protocol):
     cache: Any  # the CacheConfig it was built for (block size, blocks, token budget)
     numerics: str  # weight products a proposer's own kernels should use: "int8" or "exact"
     provides_hidden_states: ClassVar[bool]  # can keep the final-normed hidden state of every row
+    supports_grammars: ClassVar[bool]  # its logits are host arrays a grammar mask can be applied to
     capture_hidden: bool  # keep them during forward() (set by a proposer that drafts from them)
 
     def forward(self, batch: Any) -> np.ndarray:

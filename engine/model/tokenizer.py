@@ -225,6 +225,10 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
+    def backend_json(self) -> str:
+        """The Hugging Face `tokenizers` pipeline as tokenizer.json text (what llguidance loads)."""
+        return self._backend.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -31,6 +31,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     num_speculative_tokens: int | None = None
     speculative_method: str | None = None  # another installed proposer for this request (None = the server's)
     include_provenance: bool = False  # opt-in per-token "drafted vs target" flags on the stream
+    # Constrained decoding: an llguidance grammar (the JSON the gateway builds from response_format or
+    # the `speculant` regex / grammar extension, already validated there). None = unconstrained.
+    grammar: str | None = None
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -89,6 +92,7 @@ class Output(msgspec.Struct, frozen=True):
     num_drafts: int = 0  # running totals of the request's speculation
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_grammar_tokens: int = 0  # running total of accepted draft tokens the grammar forced (free drafts)
     # Seconds the request waited before it was first scheduled; set on its first output only.
     # The worker fills it in when the engine leaves it None.
     queue_time: float | None = None
@@ -120,6 +124,7 @@ class WorkerStats(msgspec.Struct, frozen=True):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = []
+    num_grammar_tokens: int = 0  # accepted draft tokens forced by a grammar, all requests
     prefix_cache_hits: int = 0
     prefix_cache_queries: int = 0
 

@@ -33,11 +33,11 @@ class StepBatch:
         self.slot_of_item: list[int] = []  # scheduled item -> sampling slot (-1 = partial prefill)
         self.draft_probs = None
 
-    def build(self, sched, drafts) -> "StepBatch":
+    def build(self, sched, draft_of: dict) -> "StepBatch":
+        """draft_of: request id -> (draft token ids, draft probs q or None) for the requests that drafted."""
         fb = self.forward
         fb.clear()
         self.slot_of_item = []
-        draft_of = self._index_drafts(sched, drafts)
         probs = []
         num_sampling = 0
         for item in sched:
@@ -59,14 +59,6 @@ class StepBatch:
         self.num_sampling = num_sampling
         self.draft_probs = self._stack_probs(probs) if self.has_draft_probs[:num_sampling].any() else None
         return self
-
-    def _index_drafts(self, sched, drafts) -> dict:
-        if drafts is None:
-            return {}
-        asked = [s.seq.request_id for s in sched if s.max_draft_tokens > 0]
-        probs = drafts.probs or [None] * len(asked)
-        return {rid: (ids[:s_max], None if p is None else p[:s_max]) for rid, ids, p, s_max in
-                zip(asked, drafts.token_ids, probs, [s.max_draft_tokens for s in sched if s.max_draft_tokens > 0])}
 
     def _add_sampling(self, r, seq, d_ids, num_d, d_probs, probs) -> None:
         params = seq.params
@@ -109,6 +101,16 @@ class StepBatch:
         if spec is not None:
             return STRATEGY_IDS[spec.strategy_for(temperature)]
         return GREEDY if temperature == 0 else REJECTION
+
+    def grammar_runs(self, sched, under_grammar) -> list[tuple[str, int, np.ndarray]]:
+        """(request, first logits row, its drafts) of the sampling requests in `under_grammar`."""
+        runs = []
+        for i, item in enumerate(sched):
+            r = self.slot_of_item[i]
+            if r >= 0 and item.seq.request_id in under_grammar:
+                lo, hi = int(self.cu_rows[r]), int(self.cu_rows[r + 1])
+                runs.append((item.seq.request_id, lo, self.draft_ids[lo - r : hi - r - 1]))
+        return runs
 
     def result(self, item_index: int):
         """(output token ids, num drafts, num accepted, logits rows) of a scheduled item, or None."""

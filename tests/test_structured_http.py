@@ -1,0 +1,76 @@
+"""Structured output through the real gateway and worker (SmolLM2, the ngram worker of tests/servers.py):
+
+- `response_format: json_schema` on both endpoints, streaming and not: the text validates against the
+  schema and is byte-identical with speculation on and off (`speculative.n_max: 0`);
+- the `openai` client's `chat.completions.parse(response_format=PydanticModel)` returns a parsed object;
+- a schema the grammar library rejects is a 400 naming `response_format`, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from servers import gateway_and_worker
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+          "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24},
+                         "population": {"type": "integer", "minimum": 0}}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+MESSAGES = [{"role": "user", "content": "Give the largest city of France as JSON."}]
+
+
+class City(pydantic.BaseModel):
+    city: str
+    country: str
+    population: int
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, model_path):
+    with gateway_and_worker(tmp_path_factory.mktemp("structured"), model_path) as c:
+        yield openai.OpenAI(base_url=f"{c.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def chat(client, model, n_max=None, stream=False) -> str:
+    extra = {"response_format": FORMAT} | ({} if n_max is None else {"speculative": {"n_max": n_max}})
+    reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=80, temperature=0,
+                                           stream=stream, extra_body=extra)
+    if stream:
+        return "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+    return reply.choices[0].message.content
+
+
+def test_json_schema_output_validates_and_is_lossless(client, model):
+    plain = chat(client, model, n_max=0)
+    jsonschema.validate(json.loads(plain), SCHEMA)
+    assert chat(client, model) == plain
+    assert chat(client, model, stream=True) == plain
+    completion = client.completions.create(model=model, prompt="The capital of Japan as JSON: ", max_tokens=80,
+                                           temperature=0, extra_body={"response_format": FORMAT})
+    jsonschema.validate(json.loads(completion.choices[0].text), SCHEMA)
+    assert completion.usage.model_extra["speculative"]["num_grammar_tokens"] >= 0
+
+
+def test_openai_parse_with_a_pydantic_model(client, model):
+    reply = client.chat.completions.parse(model=model, messages=MESSAGES, max_tokens=80, temperature=0,
+                                          response_format=City)
+    assert isinstance(reply.choices[0].message.parsed, City)
+
+
+def test_rejected_schema_is_a_400_and_serving_goes_on(client, model):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert err.value.body["param"] == "response_format"
+    assert json.loads(chat(client, model))["city"]
