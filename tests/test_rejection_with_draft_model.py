@@ -92,3 +92,44 @@ def test_verified_tokens_follow_the_target_distribution(target):
         ok, stat, crit = chi_square_ok(samples, p)
         assert ok, f"token {position + 1}: chi-square {stat:.1f} >= {crit:.1f} against the target distribution"
         assert not chi_square_ok(samples, q)[0], "the samples must not also fit the draft's distribution"
+
+
+def lowercase_tokens(path) -> np.ndarray:
+    """[vocab] bool: tokens whose text is only a-z (the regex's alphabet; computed from the vocabulary
+    itself, not from the grammar library)."""
+    from engine.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(path)
+    return np.array([not tok.is_special(i) and tok.id_to_bytes(i).isalpha() and tok.id_to_bytes(i).islower()
+                     and tok.id_to_bytes(i).isascii() for i in range(tok.vocab_size)])
+
+
+def test_sampling_under_a_grammar_follows_the_masked_target(target):
+    """Under the regex [a-z]{40,60} (no end within 3 tokens), sampled tokens follow the target's distribution
+    restricted to a-z tokens and renormalised, while the draft model proposes from its unmasked q (its
+    forbidden drafts are rejected against the masked target, leaving the residual max(0, p - q))."""
+    import llguidance
+
+    spec = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 2, "adaptive": False}
+    engine = LLMEngine.from_args(engine_args(model=str(target), max_model_len=64, max_num_seqs=256,
+                                             max_num_batched_tokens=2048, speculative_config=json.dumps(spec)))
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{40,60}")
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, grammar=grammar) for i in range(NUM_SAMPLES)]
+    outs = [o.token_ids for o in generate(engine, [PROMPT] * NUM_SAMPLES, params)]
+    assert 0 < engine.totals["num_accepted_tokens"] < engine.totals["num_draft_tokens"]
+    allowed = lowercase_tokens(target)
+    assert all(len(o) == 3 and allowed[o].all() for o in outs)
+    exact = NextToken(target)
+    masked = lambda p: np.where(allowed, p, 0) / p[allowed].sum()  # noqa: E731
+    m1 = Counter(o[0] for o in outs).most_common(1)[0][0]
+    given = [o for o in outs if o[0] == m1]
+    assert len(given) >= 300
+    first = masked(exact.after(PROMPT + [m1]))
+    order = np.argsort(-first)
+    keep = order[: int(np.searchsorted(np.cumsum(first[order]), 0.999)) + 1][:300]
+    second = sum(first[t] * masked(exact.after(PROMPT + [m1, int(t)])) for t in keep)
+    for position, p in ((1, first), (2, second / second.sum())):
+        ok, stat, crit = chi_square_ok([o[position] for o in given], p)
+        assert ok, f"token {position + 1}: chi-square {stat:.1f} >= {crit:.1f} against the masked target"
+    ok, _, _ = chi_square_ok([o[1] for o in given], exact.after(PROMPT + [m1]))
+    assert not ok, "the samples must not also fit the unmasked target"
