@@ -6,7 +6,8 @@ The built-in suite lives in `benchmarks/prompt_suite/<category>.jsonl`, in the s
     {"category": "code_edit", "prompt": "..."}                      # one user turn
     {"category": "agent_json", "messages": [{"role": ..., "content": ...}, ...]}
 
-with an optional "id". Categories are free-form for user files; the built-in ones are chosen to
+with an optional "id" and an optional OpenAI "response_format" (`json_object` or `json_schema`):
+such a prompt is decoded under that constraint (an llguidance grammar), as the gateway would. Categories are free-form for user files; the built-in ones are chosen to
 span how much of the answer a model-free proposer can copy:
 
 - code_edit: code given in the prompt, asked to rename or modify it (most output is a copy);
@@ -34,6 +35,7 @@ class BenchPrompt:
     category: str
     prompt_id: str
     messages: tuple[ChatMessage, ...]
+    grammar: str | None = None  # llguidance grammar of the prompt's response_format, if any
 
 
 def builtin_prompts(categories: list[str] | None = None) -> list[BenchPrompt]:
@@ -82,12 +84,33 @@ def parse_record(record, where: str, default_id: str) -> BenchPrompt:
     has_prompt, has_messages = "prompt" in record, "messages" in record
     if has_prompt == has_messages:
         raise ValueError(f"prompts: {where}: prompt: give exactly one of 'prompt' or 'messages'")
+    grammar = response_format_grammar(record.get("response_format"), where)
     if has_prompt:
         text = record["prompt"]
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"prompts: {where}: prompt: must be a non-empty string")
-        return BenchPrompt(category, prompt_id, (ChatMessage("user", text),))
-    return BenchPrompt(category, prompt_id, parse_messages(record["messages"], where))
+        return BenchPrompt(category, prompt_id, (ChatMessage("user", text),), grammar)
+    return BenchPrompt(category, prompt_id, parse_messages(record["messages"], where), grammar)
+
+
+def response_format_grammar(fmt, where: str) -> str | None:
+    """The llguidance grammar of an OpenAI response_format (None: unconstrained)."""
+    if fmt is None or fmt == {"type": "text"}:
+        return None
+    import llguidance
+
+    if fmt == {"type": "json_object"}:
+        schema = {"type": "object"}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict) \
+            and isinstance(fmt["json_schema"].get("schema"), dict):
+        schema = fmt["json_schema"]["schema"]
+    else:
+        raise ValueError(f"prompts: {where}: response_format: expected json_object or json_schema with a schema")
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"prompts: {where}: response_format: {error}")
+    return grammar
 
 
 def parse_messages(messages, where: str) -> tuple[ChatMessage, ...]:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Mapping
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 
 from benchmarks import report
@@ -117,9 +118,9 @@ def drive(engine, prompts: list[BenchPrompt], params: SamplingParams) -> list[di
     reqs = {}
     for p in prompts:
         rid = f"bench-{p.prompt_id}-{time.perf_counter_ns()}"
-        engine.add_request(Generate(rid, params, messages=list(p.messages)))
+        engine.add_request(Generate(rid, constrained(engine, params, p.grammar), messages=list(p.messages)))
         reqs[rid] = {"prompt_id": p.prompt_id, "token_ids": [], "num_steps": 0, "first_s": None, "done_s": None,
-                     "drafts": [], "seen": (0, 0, 0)}
+                     "drafts": [], "seen": (0, 0, 0), "grammar_tokens": 0}
     while engine.has_unfinished():
         outs = engine.step()
         now = time.perf_counter() - start
@@ -131,11 +132,21 @@ def drive(engine, prompts: list[BenchPrompt], params: SamplingParams) -> list[di
             if seen[0] > r["seen"][0]:  # this step verified drafts: (draft length, accepted)
                 r["drafts"].append((seen[1] - r["seen"][1], seen[2] - r["seen"][2]))
             r["seen"] = seen
+            r["grammar_tokens"] = out.num_grammar_tokens
             if r["first_s"] is None:
                 r["first_s"] = now
             if out.finish_reason is not None:
                 r["done_s"] = now
     return list(reqs.values())
+
+
+def constrained(engine, params: SamplingParams, grammar: str | None) -> SamplingParams:
+    """The prompt's params under its grammar; the baseline (no proposer) also drafts nothing from the
+    grammar, so it is plain constrained decoding."""
+    if grammar is None:
+        return params
+    cap = 0 if engine.proposer is None else params.num_speculative_tokens
+    return msgspec.structs.replace(params, grammar=grammar, num_speculative_tokens=cap)
 
 
 def run_block(engine, prompts: list[BenchPrompt], params: SamplingParams, group: int) -> dict:

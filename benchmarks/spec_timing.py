@@ -97,6 +97,7 @@ def block_raw(results: list[dict], wall_s: float, timers: BlockTimers) -> dict:
         "num_drafts": c.get("num_drafts", 0),
         "num_draft_tokens": c.get("num_draft_tokens", 0),
         "num_accepted_tokens": c.get("num_accepted_tokens", 0),
+        "num_grammar_tokens": sum(r["grammar_tokens"] for r in results),
         "accepted_per_pos": timers.accepted_per_pos,
         "num_asks": timers.num_asks,
         "num_allowed_tokens": timers.num_allowed_tokens,

@@ -9,15 +9,19 @@ hash of every source file that holds jitted code; a change anywhere starts a fre
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
 _PACKAGES = ("engine", "proposers")
 _KEEP = 3  # cache versions kept side by side (several checkouts may share one home)
+_held = threading.local()  # depth of compile_lock() in this thread (it is re-entrant)
 
 
 def _kernel_sources() -> list[Path]:
@@ -60,3 +64,38 @@ def use_versioned_numba_cache() -> None:
     numba = sys.modules.get("numba")
     if numba is not None:  # imported first: its config already read the environment
         numba.config.CACHE_DIR = str(current)
+
+
+@contextlib.contextmanager
+def compile_lock():
+    """Hold the cache folder's lock while compiling (re-entrant within a thread).
+
+    Numba writes a function's cache entry as separate index and code files; two processes compiling
+    the same function at once (two workers started together on a cold cache) can leave an index that
+    points at the other's code, and a later start that loads it crashes (numba issue #4807; seen here
+    as a segfault in a decoder layer loaded from such a cache). Engines therefore build and warm up
+    their kernels one process at a time; a warm cache makes the wait a matter of seconds.
+    """
+    depth = getattr(_held, "depth", 0)
+    folder = os.environ.get("NUMBA_CACHE_DIR")
+    if depth or not folder:
+        _held.depth = depth + 1
+        try:
+            yield
+        finally:
+            _held.depth = depth
+        return
+    try:
+        handle = open(Path(folder) / ".compile.lock", "a")
+    except OSError:  # a read-only cache folder: Numba will not write there either
+        handle = None
+    try:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        _held.depth = 1
+        yield
+    finally:
+        _held.depth = 0
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()

@@ -57,7 +57,10 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, args) -> "LLMEngine":
-        return cls(build_engine_parts(args))
+        from engine.jit_cache import compile_lock
+
+        with compile_lock():  # building the runner compiles (or loads) its kernels
+            return cls(build_engine_parts(args))
 
     # ------------------------------------------------------------------ requests
 

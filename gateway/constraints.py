@@ -129,11 +129,11 @@ def grammar_for(req: SamplingRequest, cache: GrammarCache = CACHE) -> str | None
     constraint = found[0]
     compiled = cache.get(constraint)
     if compiled.error is not None:
-        raise bad_request(f"{_describe(constraint)} is not valid: {_shorten(compiled.error)}", constraint.param)
+        raise bad_request(f"{_describe(constraint)} is not valid: {shorten_error(compiled.error)}", constraint.param)
     return compiled.grammar
 
 
-def _shorten(message: str) -> str:
+def shorten_error(message: str) -> str:
     """llguidance quotes the offending input; a huge input must not make a huge error body."""
     message = message.strip()
     return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " [...]"

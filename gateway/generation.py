@@ -80,8 +80,7 @@ async def _write_chunks(response, stream: RequestStream, builder: ResponseBuilde
     if builder.is_chat:
         await response.write(sse.event(builder.role_chunk()))
     while True:
-        chunk = builder.chunk(out)
-        if chunk is not None:
+        for chunk in builder.chunks(out):
             await response.write(sse.event(chunk))
         if out.finish_reason is not None:
             break

@@ -98,10 +98,56 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI returns it
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    """One call in an assistant message's `tool_calls` (a reply of ours, sent back as history)."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(msgspec.Struct, kw_only=True):
+    """role: system, developer, user, assistant or tool. An assistant message with `tool_calls` may have
+    null content; a tool message answers one of them and names it with `tool_call_id`."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    """`name`: 1-64 of a-z, A-Z, 0-9, '_' and '-'. `parameters`: a JSON schema of an object (absent: no
+    arguments). `strict: true` makes schema keywords we cannot enforce a 400 when the call is forced."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, kw_only=True):
+    """One entry of `tools` (at most 128, names unique): `{"type": "function", "function": {...}}`."""
+
+    type: str
+    function: FunctionDef | None = None
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """Force a call of this function: `{"type": "function", "function": {"name": ...}}`."""
+
+    type: str
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -110,8 +156,13 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    # "none" | "auto" (the default with tools) | "required" | NamedToolChoice; required and named
+    # choices constrain the answer to exactly one call (see gateway.tool_grammar).
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced choice makes one call
+    functions: list[Any] | None = None  # OpenAI's deprecated form: a 400 pointing to `tools`
+    function_call: Any = None
 
 
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)

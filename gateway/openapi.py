@@ -40,6 +40,37 @@ RESPONSE_FORMAT_TYPE = {
     "description": "text: no constraint; json_object: any JSON object; json_schema: the JSON schema in "
                    "`json_schema.schema` (an llguidance grammar enforces it while decoding).",
 }
+TOOL_CHOICE = {
+    "description": "none: tools are not offered to the model; auto (the default with tools): the model answers "
+                   "or calls; required: exactly one call of any tool; {\"type\": \"function\", \"function\": "
+                   "{\"name\": ...}}: exactly one call of that tool. Required and named choices are enforced with "
+                   "a grammar (arguments follow the tool's parameters schema) and cannot be combined with "
+                   "response_format or speculant.regex / grammar; auto can be combined with a JSON response_format.",
+    "anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, _ref("NamedToolChoice"), {"type": "null"}],
+}
+CHAT_ROLE = {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}
+TOOL_CALL = {
+    "type": "object",
+    "description": "One call the model made: its answer held `<tool_call>{\"name\": ..., \"arguments\": {...}}"
+                   "</tool_call>` naming one of the request's tools. In a stream each call arrives whole in one "
+                   "chunk's `delta.tool_calls` (with its `index`), after the content.",
+    "required": ["id", "type", "function"],
+    "properties": {"id": {"type": "string", "description": "call_<hex>; a tool message answers it by this id."},
+                   "type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                       "name": {"type": "string"},
+                       "arguments": {"type": "string", "description": "A JSON object, as text."}}}},
+}
+CHAT_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"},
+                   "content": {**_NULLABLE_STR, "description": "With tools: the answer without its tool calls, "
+                                                               "stripped; null when nothing remains."},
+                   "tool_calls": {"type": "array", "items": _ref("ToolCall")}},
+}
+FINISH_REASON = {"anyOf": [{"type": "string", "enum": ["stop", "length", "tool_calls", "abort"]}, {"type": "null"}],
+                 "description": "tool_calls: the answer stopped normally after making calls."}
 _COUNT = {"type": "integer", "minimum": 0}
 SPECULATIVE_USAGE = {
     "type": "object",
@@ -93,10 +124,12 @@ RESPONSE_SCHEMAS = {
             "model": {"type": "string"}, "usage": _ref("Usage"),
             "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"],
                                                    "properties": {"index": {"type": "integer"},
-                                                                  "message": {"type": "object"},
-                                                                  "logprobs": {}, "finish_reason": _NULLABLE_STR}}},
+                                                                  "message": _ref("ChatMessage"),
+                                                                  "logprobs": {}, "finish_reason": FINISH_REASON}}},
         },
     },
+    "ChatMessage": CHAT_MESSAGE,
+    "ToolCall": TOOL_CALL,
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
@@ -157,6 +190,8 @@ def openapi_spec() -> dict:
     components["CompletionRequest"]["properties"]["prompt"] = PROMPT_SCHEMA
     components["CompletionRequest"]["required"] = ["prompt"]
     components["ResponseFormat"]["properties"]["type"] = RESPONSE_FORMAT_TYPE
+    components["ChatCompletionRequest"]["properties"]["tool_choice"] = TOOL_CHOICE
+    components["ChatMessageIn"]["properties"]["role"] = CHAT_ROLE
     for schema in components.values():  # Struct docstrings, without their source indentation
         if "description" in schema:
             schema["description"] = inspect.cleandoc(schema["description"])

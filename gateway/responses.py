@@ -1,7 +1,8 @@
 """OpenAI response bodies and stream chunks built from engine `Output`s.
 
-One `ResponseBuilder` per request: it turns each engine output into a chunk
-(streaming) and also accumulates the whole answer (non-streaming).
+One `ResponseBuilder` per request: it turns each engine output into chunks
+(streaming) and also accumulates the whole answer (non-streaming). With tools, the
+answer's `<tool_call>` blocks become `tool_calls` (`gateway.tool_calls`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import time
 
 from engine.serving import protocol
+from gateway import tool_calls
 from gateway.validation import RequestOptions
 
 
@@ -28,6 +30,8 @@ class ResponseBuilder:
         self.drafted: list[bool] = []
         self.finish_reason: str | None = None
         self.last: protocol.Output | None = None
+        self.tool_names = opts.tool_names if self.is_chat else ()
+        self.tool_stream = tool_calls.ToolCallStream(self.tool_names) if self.tool_names else None
 
     # ------------------------------------------------------------ streaming
 
@@ -40,20 +44,44 @@ class ResponseBuilder:
         delta = {"role": "assistant", "content": ""}
         return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
 
+    def chunks(self, out: protocol.Output) -> list[dict]:
+        """The chunks for one engine output (none when it carries nothing to show).
+
+        With tools, content that may still be a call is held back; the last output brings it, then
+        one chunk per call (`delta.tool_calls`), then the finish reason ("tool_calls" after calls).
+        """
+        if self.tool_stream is None:
+            return _present(self.chunk(out))
+        text = self.tool_stream.feed(out.text)
+        if out.finish_reason is None:
+            return _present(self._output_chunk(out, text, None))
+        tail, calls = self.tool_stream.finish()
+        if not calls:
+            return _present(self._output_chunk(out, text + tail, out.finish_reason))
+        found = _present(self._output_chunk(out, text + tail, None))
+        found += [self._delta_chunk({"tool_calls": [delta]}) for delta in tool_calls.stream_deltas(calls)]
+        return [*found, self._delta_chunk({}, tool_calls.finish_reason(out.finish_reason, calls))]
+
+    def _delta_chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+
     def chunk(self, out: protocol.Output) -> dict | None:
-        """The chunk for one engine output, or None when it carries nothing to show."""
+        """The chunk for one engine output, or None when it carries nothing to show (no tool parsing)."""
+        return self._output_chunk(out, out.text, out.finish_reason)
+
+    def _output_chunk(self, out: protocol.Output, text: str, finish_reason: str | None) -> dict | None:
         offset = self.num_token_chars
         self.add(out)
         has_tokens = bool(out.token_ids)
-        if not (out.text or out.finish_reason or (has_tokens and (out.logprobs or self.opts.provenance))):
+        if not (text or finish_reason or (has_tokens and (out.logprobs or self.opts.provenance))):
             return None
         logprobs = self._logprobs(out.logprobs or [], offset) if self.opts.logprobs is not None else None
         if self.is_chat:
-            choice = {"index": 0, "delta": {"content": out.text} if out.text else {}}
+            choice = {"index": 0, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": 0, "text": out.text}
+            choice = {"index": 0, "text": text}
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = out.finish_reason
+        choice["finish_reason"] = finish_reason
         chunk = self._chunk([choice])
         if self.opts.provenance:
             chunk["speculant"] = {"token_ids": list(out.token_ids), "drafted": list(out.drafted or [])}
@@ -95,12 +123,19 @@ class ResponseBuilder:
     def response(self) -> dict:
         text = "".join(self.text_parts)
         logprobs = self._logprobs(self.logprob_items, 0) if self.opts.logprobs is not None else None
-        if self.is_chat:
+        finish_reason = self.finish_reason
+        if self.tool_names:
+            content, calls = tool_calls.parse_tool_calls(text, self.tool_names)
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+            finish_reason = tool_calls.finish_reason(finish_reason, calls)
+        elif self.is_chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = self.finish_reason
+        choice["finish_reason"] = finish_reason
         body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
         if self.opts.provenance:
@@ -113,6 +148,10 @@ class ResponseBuilder:
         if self.is_chat:
             return {"content": [_chat_logprob(item) for item in items], "refusal": None}
         return _completion_logprobs(items, text_offset)
+
+
+def _present(chunk: dict | None) -> list[dict]:
+    return [] if chunk is None else [chunk]
 
 
 def token_bytes(token: str) -> list[int]:

@@ -4,13 +4,14 @@ Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
 a per-request speculation cap `speculative.n_max` in 0..64, and `speculative.method` a proposer name.
 Output constraints (`response_format`, `speculant.regex` / `speculant.grammar`) are compiled and
-checked in `gateway.constraints`.
+checked in `gateway.constraints`; tools and tool_choice in `gateway.tools` and `gateway.tool_grammar`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 import msgspec
 
@@ -18,6 +19,8 @@ from engine.serving import protocol
 from gateway.constraints import grammar_for
 from gateway.errors import OpenAIError, bad_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gateway.tool_grammar import tool_grammar
+from gateway.tools import tool_message_fields, tool_plan
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -26,7 +29,7 @@ MAX_LOGPROBS = 20
 MAX_SPEC_TOKENS = 64
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,6 +44,7 @@ class RequestOptions:
     provenance: bool
     max_tokens: int | None  # None = not given (chat: up to the context limit)
     max_tokens_param: str
+    tool_names: tuple[str, ...] = ()  # chat with tools (tool_choice not "none"): parse calls out of the answer
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,7 +64,8 @@ def _unsupported(ok: bool, param: str, message: str) -> None:
         raise OpenAIError(400, message, param=param, code="unsupported_parameter")
 
 
-def sampling_params(req: SamplingRequest, opts: RequestOptions) -> protocol.SamplingParams:
+def sampling_params(req: SamplingRequest, opts: RequestOptions,
+                    grammar_of: Callable[[SamplingRequest], str | None] = grammar_for) -> protocol.SamplingParams:
     """Range checks shared by both endpoints; max_tokens is resolved per worker in `build_generate`."""
     temperature = 1.0 if req.temperature is None else req.temperature
     _require(0.0 <= temperature <= 2.0, "temperature", "temperature must be between 0 and 2")
@@ -82,7 +87,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions) -> protocol.Samp
         num_speculative_tokens=_spec_cap(req),
         speculative_method=_spec_method(req),
         include_provenance=opts.provenance,
-        grammar=grammar_for(req),  # last: a first-seen schema is the costliest check
+        grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
     )
 
 
@@ -181,8 +186,7 @@ def _prompt_fields(prompt) -> dict:
 def validate_chat(req: ChatCompletionRequest) -> Validated:
     """Checks a chat body; returns the prompt fields of `Generate` and the options."""
     _common_checks(req)
-    _unsupported(not req.tools, "tools", "tools are not supported")
-    _unsupported(req.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
+    plan = tool_plan(req)
     mct = req.max_completion_tokens
     _require(mct is None or mct >= 1, "max_completion_tokens", "max_completion_tokens must be at least 1")
     top = req.top_logprobs
@@ -191,8 +195,10 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     logprobs = (top or 0) if req.logprobs else None
     max_tokens, param = (mct, "max_completion_tokens") if mct is not None else (req.max_tokens, "max_tokens")
     opts = _options(req, "chat", logprobs, max_tokens, param)
-    fields = {"messages": _messages(req), "add_generation_prompt": req.add_generation_prompt is not False}
-    return Validated(fields, opts, sampling_params(req, opts))
+    opts.tool_names = plan.names if plan.active else ()
+    fields = {"messages": _messages(req), "tools_json": plan.tools_json(),
+              "add_generation_prompt": req.add_generation_prompt is not False}
+    return Validated(fields, opts, sampling_params(req, opts, lambda r: tool_grammar(r, plan)))
 
 
 def _messages(req: ChatCompletionRequest) -> list[protocol.ChatMessage]:
@@ -201,13 +207,17 @@ def _messages(req: ChatCompletionRequest) -> list[protocol.ChatMessage]:
     for i, m in enumerate(req.messages):
         role = CHAT_ROLES.get(m.role)
         _unsupported(role is not None, f"messages[{i}].role",
-                     f"role {m.role!r} is not supported (use system, developer, user or assistant)")
-        out.append(protocol.ChatMessage(role=role, content=_content(m.content, i)))
+                     f"role {m.role!r} is not supported (use system, developer, user, assistant or tool)")
+    for i, (m, tool_fields) in enumerate(zip(req.messages, tool_message_fields(req.messages))):
+        content = _content(m.content, i, may_be_null="tool_calls_json" in tool_fields)
+        out.append(protocol.ChatMessage(role=CHAT_ROLES[m.role], content=content, **tool_fields))
     return out
 
 
-def _content(content, i: int) -> str:
+def _content(content, i: int, may_be_null: bool = False) -> str:
     param = f"messages[{i}].content"
+    if content is None and may_be_null:  # an assistant turn that only calls tools
+        return ""
     _require(content is not None, param, "message content must be a string or a list of text parts")
     if isinstance(content, str):
         return content

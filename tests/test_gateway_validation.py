@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig
 
 BODY_LIMIT = 64 * 1024
 CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
 
 def free_port() -> int:
@@ -82,7 +83,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": "hi"}, "messages"),
     ("chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
-    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ("chat/completions", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
@@ -92,7 +94,13 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "n": 3}, "n"),
-    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name"),
+    ("chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice": "any"}, "tool_choice"),
+    ("chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": "ok"},
+                                       {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+     "messages[2].tool_call_id"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "schema": {"type": "objectx"}}}}, "response_format"),
@@ -127,7 +135,8 @@ async def test_unparseable_body_is_400(client, raw):
 
 
 @pytest.mark.parametrize("extra", [{}, {"response_format": {"type": "json_object"}},
-                                   {"speculant": {"regex": "[0-9]+", "provenance": True}}])
+                                   {"speculant": {"regex": "[0-9]+", "provenance": True}},
+                                   {"tools": [TOOL], "tool_choice": "required"}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503
@@ -161,6 +170,26 @@ async def test_the_openai_clients_parse_request_passes_validation(client):
             await sdk.chat.completions.parse(model="m", messages=CHAT, response_format=Order)
         assert err.value.status_code == 503, err.value.body
     assert CACHE.misses == misses + 1  # compiled once, then served from the cache
+    await sdk.close()
+
+
+async def test_the_openai_clients_tool_request_passes_validation(client):
+    """Tools, a forced choice and a replayed call with its answer, as the SDK sends them: on to the 503."""
+    import openai
+    from pydantic import BaseModel
+
+    class GetTime(BaseModel):
+        timezone: str
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "GetTime", "arguments": '{"timezone": "UTC"}'}}
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    for choice in ["auto", "required", {"type": "function", "function": {"name": "GetTime"}}]:
+        with pytest.raises(openai.APIStatusError) as err:
+            await sdk.chat.completions.create(model="m", messages=messages, tool_choice=choice,
+                                              tools=[openai.pydantic_function_tool(GetTime)])
+        assert err.value.status_code == 503, err.value.body
     await sdk.close()
 
 

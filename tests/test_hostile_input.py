@@ -76,7 +76,7 @@ def assert_well_formed(status, body, path: str, stream: bool) -> None:
         for event in map(json.loads, events[:-1]):
             assert "error" in event or event["choices"] is not None
     elif path.startswith("/v1/") and "completions" in path:
-        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        assert body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
 
 
 def post(cluster, path: str, body, headers: dict | None = None):

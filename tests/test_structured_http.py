@@ -74,3 +74,33 @@ def test_rejected_schema_is_a_400_and_serving_goes_on(client, model):
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
     assert err.value.body["param"] == "response_format"
     assert json.loads(chat(client, model))["city"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current temperature of a city in celsius",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 30}}}}}
+
+
+def test_required_tool_call_round_trips_through_the_openai_client(client, model):
+    """A tool-calling loop as an agent writes it: a forced call, our answer, then the final reply."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=60, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 21})}]
+    final = client.chat.completions.create(model=model, messages=messages, tools=[WEATHER], max_tokens=30,
+                                           temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    streamed = client.chat.completions.create(model=model, messages=messages[:1], tools=[WEATHER], stream=True,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                              max_tokens=60, temperature=0)
+    chunks = list(streamed)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == json.loads(call.function.arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]

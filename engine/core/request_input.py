@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from engine.errors import InvalidRequest
+from engine.model.tool_prompt import render_inputs
 from engine.serving.protocol import Generate, SamplingParams
 
 MAX_STOP_STRINGS = 64
@@ -15,9 +16,8 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
     if msg.messages is not None:
         if not msg.messages:
             raise InvalidRequest("messages must not be empty", "messages")
-        text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in msg.messages], msg.add_generation_prompt
-        )
+        messages, context = render_inputs(msg.messages, msg.tools_json, tokenizer.template_source())
+        text = tokenizer.apply_chat_template(messages, msg.add_generation_prompt, **context)
         ids = tokenizer.encode(text)
         param = "messages"
     elif msg.prompt_token_ids is not None:

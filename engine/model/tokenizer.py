@@ -242,9 +242,13 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
 
+    def template_source(self) -> str:
+        """The file's chat template, or the format its vocabulary implies when it carries none."""
+        return self.chat_template or chat_templates.default_template(self._tokens)
+
     def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render a conversation to the prompt text the model was tuned on (the file's template, or
         the format its vocabulary implies when it carries none)."""
-        source = self.chat_template or chat_templates.default_template(self._tokens)
+        source = self.template_source()
         context = dict(kwargs, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         return chat_templates.render(source, messages, add_generation_prompt, **context)

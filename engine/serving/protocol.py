@@ -39,6 +39,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 class ChatMessage(msgspec.Struct, frozen=True):
     role: str
     content: str
+    # Tool calling: an assistant turn's calls (the OpenAI `tool_calls` list as JSON text), and a "tool"
+    # turn's answer to one of them.
+    tool_calls_json: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 # ---------------------------------------------------------------- gateway -> worker
@@ -50,6 +55,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     prompt: str | None = None  # completions: raw text
     prompt_token_ids: list[int] | None = None  # completions: pre-tokenized prompt
     messages: list[ChatMessage] | None = None  # chat: rendered with the model's chat template
+    tools_json: str | None = None  # chat: the request's `tools` (OpenAI shape, JSON text), rendered into the prompt
     add_generation_prompt: bool = True
 
 

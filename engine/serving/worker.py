@@ -287,12 +287,15 @@ def main(args) -> int:
         return 2
     from engine.llm_engine import LLMEngine  # heavy (numba); only the engine process pays for it
 
-    try:
-        engine = LLMEngine.from_args(args)
-    except (ValueError, FileNotFoundError) as exc:
-        log.error("cannot start the engine: %s", exc)
-        return 2
-    warm_up(engine)
+    from engine.jit_cache import compile_lock
+
+    with compile_lock():  # one process at a time writes the kernel cache (see jit_cache.compile_lock)
+        try:
+            engine = LLMEngine.from_args(args)
+        except (ValueError, FileNotFoundError) as exc:
+            log.error("cannot start the engine: %s", exc)
+            return 2
+        warm_up(engine)
     worker = Worker(engine, endpoint, worker_id, curve, link_timeout)
 
     def stop(signum, frame) -> None:

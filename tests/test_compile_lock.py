@@ -1,0 +1,35 @@
+"""Engines build their kernels one process at a time (engine.jit_cache.compile_lock): another process
+holding the cache folder's lock makes a second wait; the lock is re-entrant within a process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from engine.jit_cache import compile_lock
+
+HOLD = 1.5  # s
+
+
+def test_a_second_process_waits_for_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from engine.jit_cache import compile_lock\n"
+         f"with compile_lock():\n    print('held', flush=True); time.sleep({HOLD})"],
+        env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    start = time.monotonic()
+    with compile_lock():
+        waited = time.monotonic() - start
+        with compile_lock():  # re-entrant: no deadlock
+            pass
+    holder.wait(timeout=30)
+    assert waited > HOLD / 2
+
+
+def test_without_a_cache_folder_the_lock_is_a_no_op(monkeypatch):
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    with compile_lock():
+        pass
