@@ -99,7 +99,11 @@ class LlamaCppPeer(Peer):
                        lookup: llama_cpp.Llama(**common, draft_model=draft, logits_all=True)}
 
     def prompt_ids(self, text: str) -> list[int]:
-        return next(iter(self.models.values())).tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        model = next(iter(self.models.values()))
+        ids = model.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        if len(ids) > 1 and ids[0] == ids[1] == model.token_bos():  # the chat template wrote <bos> already
+            ids = ids[1:]
+        return ids
 
     def generate(self, mode: str, prompt_id: str, text: str, max_tokens: int) -> PromptRun:
         from llama_cpp import StoppingCriteriaList
@@ -107,7 +111,7 @@ class LlamaCppPeer(Peer):
         clock = _TokenClock()
         start = time.perf_counter()
         out = self.models[mode].create_completion(
-            text, max_tokens=max_tokens, temperature=0.0, repeat_penalty=1.0,
+            self.prompt_ids(text), max_tokens=max_tokens, temperature=0.0, repeat_penalty=1.0,
             stopping_criteria=StoppingCriteriaList([clock]))
         wall = time.perf_counter() - start
         first = clock.first - start if clock.first is not None else None
