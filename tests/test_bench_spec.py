@@ -130,7 +130,7 @@ def test_json_markdown_and_table(result, tmp_path):
     assert "suffix >= ngram on agent_json (batch1)" in names
     md = (tmp_path / "spec.md").read_text()
     assert "## batch1" in md and "## concurrent" in md
-    assert "| category | method | AL | tok/step | accept | tok/s | speedup | identical | propose ms/step |" in md
+    assert "| category | method | AL | tok/step | accept | tok/s | speedup | from grammar | identical | propose ms/step |" in md
     table = report.format_table(result)
     assert all(f" {m} " in table for m in ("none", "ngram", "suffix")) and "targets:" in table
 
