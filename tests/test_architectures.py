@@ -89,3 +89,14 @@ def test_sliding_window_model_is_batch_invariant(numerics):
     one_by_one = logits_in_chunks(runner, tokens, [1] * len(tokens))
     np.testing.assert_array_equal(logits_in_chunks(runner, tokens, [len(tokens)]), one_by_one)
     np.testing.assert_array_equal(logits_in_chunks(runner, tokens, [7, 1, 12, 3, 9, 8], other), one_by_one)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fixture_tokenizer_loads(arch):
+    """The fixtures' byte-level vocabularies name llama.cpp's `gpt-2` pre-tokenizer (as its converter writes
+    it for GPT-2-style files): it loads and round-trips text."""
+    from engine.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(FIXTURES / f"{arch}.gguf")
+    text = "hello world, 42 times"
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text

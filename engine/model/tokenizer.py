@@ -41,6 +41,8 @@ _LLAMACPP_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[
 # tokenizer.ggml.pre -> the regex passes run before byte-level BPE (llama.cpp's table, same order).
 _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "gpt2": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),  # what llama.cpp's converter writes for GPT-2-style files
+    "phi-2": (_GPT2_SPLIT,),
     "mpt": (_GPT2_SPLIT,),
     "olmo": (_GPT2_SPLIT,),
     "default": _LLAMACPP_DEFAULT_SPLITS,
