@@ -1,7 +1,7 @@
 """Constrained decoding in the engine (real SmolLM2): llguidance masks at every verified row.
 
 - greedy output under a JSON schema or a regex is identical with speculation (ngram, suffix,
-  draft_layers) and without it (the per-request cap 0 turns off every draft, grammar-forced ones too);
+  draft_layers, eagle) and without it (the per-request cap 0 turns off every draft, grammar-forced ones too);
 - 100 random JSON schemas (nested objects, enums, bounded arrays, numbers with bounds in steps of 0.25): every output
   parses and validates against its schema (checked with `jsonschema`, not with the grammar library);
 - where the grammar allows one continuation, its tokens are drafted for free and accepted.
@@ -49,8 +49,21 @@ def reference(engine):
     return outs
 
 
-@pytest.mark.parametrize("spec", METHODS, ids=lambda m: m["method"])
-def test_greedy_constrained_output_is_identical_with_speculation(make_engine, reference, spec):
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory, model_path) -> str:
+    """A random eagle head (its drafts are seldom right: the point is that verification under a grammar,
+    grammar-forced drafts in between, keeps the output exact)."""
+    from random_heads import write_random_head
+
+    from engine.model.gguf_loader import GGUFModel
+
+    return str(write_random_head(tmp_path_factory.mktemp("heads") / "eagle", "eagle", GGUFModel(model_path).config))
+
+
+@pytest.mark.parametrize("spec", METHODS + ["eagle"], ids=lambda m: m if isinstance(m, str) else m["method"])
+def test_greedy_constrained_output_is_identical_with_speculation(make_engine, reference, spec, request):
+    if spec == "eagle":
+        spec = {"method": "eagle", "num_speculative_tokens": 3, "model": request.getfixturevalue("eagle_head")}
     engine = make_engine(speculative_config=json.dumps(spec))
     alone = [constrained(engine, [case])[0] for case in CASES]
     together = constrained(engine, CASES + CASES[:2])
