@@ -203,7 +203,8 @@ class LLMEngine:
         if seq.params.logprobs is not None:
             logprobs = state.logprobs(logits[rows[:num_taken]], taken, seq.params.logprobs)
         self.proposers.extend(seq.request_id, taken)
-        out = make_output(seq, state, taken, drafted, logprobs)
+        forced = drafted if self.draft_source.get(seq.request_id) == GRAMMAR_SOURCE else None
+        out = make_output(seq, state, taken, drafted, logprobs, forced)
         if seq.finish_reason is not None:
             self._release(seq)
         return out

@@ -28,6 +28,7 @@ class ResponseBuilder:
         self.logprob_items: list[protocol.TokenLogprob] = []
         self.token_ids: list[int] = []
         self.drafted: list[bool] = []
+        self.grammar: list[bool] = []  # with provenance: accepted drafts the grammar forced
         self.finish_reason: str | None = None
         self.last: protocol.Output | None = None
         self.tool_names = opts.tool_names if self.is_chat else ()
@@ -84,7 +85,8 @@ class ResponseBuilder:
         choice["finish_reason"] = finish_reason
         chunk = self._chunk([choice])
         if self.opts.provenance:
-            chunk["speculant"] = {"token_ids": list(out.token_ids), "drafted": list(out.drafted or [])}
+            chunk["speculant"] = {"token_ids": list(out.token_ids), "drafted": list(out.drafted or []),
+                                  "grammar": list(out.grammar_forced or [])}
         return chunk
 
     def usage_chunk(self) -> dict:
@@ -100,6 +102,7 @@ class ResponseBuilder:
         self.num_token_chars += sum(len(item.token) for item in out.logprobs or [])
         self.token_ids.extend(out.token_ids)
         self.drafted.extend(out.drafted or [])
+        self.grammar.extend(out.grammar_forced or [])
         self.finish_reason = out.finish_reason or self.finish_reason
         self.last = out
 
@@ -139,7 +142,7 @@ class ResponseBuilder:
         body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
         if self.opts.provenance:
-            body["speculant"] = {"token_ids": self.token_ids, "drafted": self.drafted}
+            body["speculant"] = {"token_ids": self.token_ids, "drafted": self.drafted, "grammar": self.grammar}
         return body
 
     # ------------------------------------------------------------ logprobs

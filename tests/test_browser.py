@@ -9,6 +9,8 @@ go to the test's temporary directory and, when $SPECULANT_SCREENSHOT_DIR is set,
 
 from __future__ import annotations
 
+import json
+
 import os
 import pathlib
 import shutil
@@ -223,6 +225,31 @@ def test_playground_method_choice_lists_proposers_and_streams_with_the_chosen_on
                      "the answer did not finish")[0]
     assert int(stats.get_attribute("data-drafted")) > 0  # the suffix proposer drafted for this request
     assert browser.find_element(By.ID, "error").get_attribute("class") == "error hidden"
+    assert browser_errors(browser) == []
+
+
+@needs_browser
+def test_playground_json_schema_colours_grammar_forced_tokens(browser, cluster, shots):
+    """A schema typed into the playground constrains the answer; tokens the grammar forced get their own colour."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "favourite_food"],
+              "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0},
+                             "favourite_food": {"type": "string", "maxLength": 16}}}
+    browser.get(cluster.url + "/playground")
+    browser.execute_script("localStorage.setItem('speculant-api-key', arguments[0])", API_KEY)
+    browser.refresh()
+    wait_for(browser, lambda d: "SmolLM2" in d.find_element(By.ID, "model-name").text, "model name not shown")
+    browser.execute_script("document.getElementById('json-schema').value = arguments[0]", json.dumps(schema))
+    browser.find_element(By.ID, "prompt").send_keys("Describe a cat called Tom as JSON.", Keys.ENTER)
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".answer-stats[data-done='1']"), "the answer did not finish")
+    assert browser.find_element(By.ID, "error").get_attribute("class") == "error hidden"
+    answer = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .body").get_attribute("textContent")
+    assert set(json.loads(answer)) == {"name", "age", "favourite_food"}
+    forced = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok.grammar")
+    assert forced  # e.g. the keys after the first one
+    colours = {browser.execute_script("return getComputedStyle(arguments[0]).backgroundColor", el)
+               for el in forced[:1] + browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok.target")[:1]}
+    assert len(colours) == 2
+    shots(browser, "playground-schema")
     assert browser_errors(browser) == []
 
 

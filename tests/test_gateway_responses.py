@@ -68,7 +68,7 @@ def test_completion_logprobs_offsets_run_over_the_whole_answer():
     assert first["choices"][0]["logprobs"]["text_offset"] == [0, 2]
     assert last["choices"][0]["logprobs"]["text_offset"] == [8]
     assert last["choices"][0]["logprobs"]["top_logprobs"] == [{"lo": -0.1, " there": -2.3}]
-    assert first["speculant"] == {"token_ids": [5, 6], "drafted": [True, False]}
+    assert first["speculant"] == {"token_ids": [5, 6], "drafted": [True, False], "grammar": []}
     # (The SDK's Completion model types finish_reason as non-null; its stream parser does not validate.)
     assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"] is None
     whole = Completion.model_validate(b.response())

@@ -87,7 +87,7 @@ class OutputState:
         return out
 
 
-def make_output(seq: Sequence, state: OutputState, new_ids, drafted, logprobs) -> Output:
+def make_output(seq: Sequence, state: OutputState, new_ids, drafted, logprobs, forced=None) -> Output:
     is_finished = seq.finish_reason is not None
     return Output(
         request_id=seq.request_id,
@@ -98,6 +98,7 @@ def make_output(seq: Sequence, state: OutputState, new_ids, drafted, logprobs) -
         completion_tokens=seq.num_output_tokens,
         logprobs=logprobs,
         drafted=drafted if seq.params.include_provenance else None,
+        grammar_forced=(forced or [False] * len(drafted)) if seq.params.include_provenance else None,
         num_drafts=seq.num_drafts,
         num_draft_tokens=seq.num_draft_tokens,
         num_accepted_tokens=seq.num_accepted_tokens,

@@ -102,6 +102,7 @@ class Output(msgspec.Struct, frozen=True):
     # Seconds the request waited before it was first scheduled; set on its first output only.
     # The worker fills it in when the engine leaves it None.
     queue_time: float | None = None
+    grammar_forced: list[bool] | None = None  # with provenance: which accepted drafts the grammar forced
 
 
 class Outputs(msgspec.Struct, tag="outputs", frozen=True):

@@ -29,6 +29,12 @@ function requestBody() {
     const value = numberField(id);
     if (value !== null) body[name] = value;
   }
+  const schema = $("json-schema").value.trim();
+  if (schema) {
+    let parsed;
+    try { parsed = JSON.parse(schema); } catch (e) { throw new Error(`JSON schema: not valid JSON (${e.message})`); }
+    body.response_format = { type: "json_schema", json_schema: { name: "playground", schema: parsed } };
+  }
   const nMax = numberField("n-max");
   const method = $("method").value;
   if (!$("spec-on").checked) body.speculative = { n_max: 0 };
@@ -119,8 +125,10 @@ class AnswerView {
     prov.token_ids.forEach((tokenId, i) => {
       const item = logprobs[i];
       const text = item.bytes ? this.utf8.decode(Uint8Array.from(item.bytes), { stream: true }) : item.token;
-      const span = this.addSpan(text, prov.drafted[i] ? "draft" : "target");
-      span.title = `token ${tokenId} · ${prov.drafted[i] ? "accepted draft" : "target"} · logprob ${fmt(item.logprob, 3)}`;
+      const forced = prov.grammar && prov.grammar[i];
+      const span = this.addSpan(text, forced ? "grammar" : prov.drafted[i] ? "draft" : "target");
+      const how = forced ? "forced by the grammar" : prov.drafted[i] ? "accepted draft" : "target";
+      span.title = `token ${tokenId} · ${how} · logprob ${fmt(item.logprob, 3)}`;
     });
   }
 
