@@ -149,8 +149,7 @@ class LLMEngine:
                 self.draft_source[rid] = GRAMMAR_SOURCE
             elif rid in self.grammars.matchers and rid in draft_of:  # cut at the first draft the grammar forbids
                 ids, probs = draft_of[rid]
-                n = self.grammars.valid_prefix(rid, ids)
-                n += n < len(ids) and probs is not None and s.seq.params.temperature > 0  # see engine/structured
+                n = self.grammars.cut(rid, ids, keep_forbidden=probs is not None and s.seq.params.temperature > 0)
                 draft_of[rid] = (ids[:n], None if probs is None else probs[:n])
         return draft_of
 

@@ -134,10 +134,6 @@ class GGUFModel:
         shape = tuple(int(s) for s in reversed(t.shape))
         return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
-    def optional(self, name: str) -> np.ndarray | None:
-        """A 1-D tensor (norm weight, bias) as float32, or None when the file has none."""
-        return self.dense(name).reshape(-1) if name in self.tensors else None
-
     def rope_freq_factors(self) -> np.ndarray | None:
         """Llama-3 style per-frequency divisors (tensor rope_freqs.weight), if the file has them."""
         if "rope_freqs.weight" not in self.tensors:

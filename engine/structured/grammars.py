@@ -42,6 +42,7 @@ class Grammars:
         self._executor = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self.matchers: dict[str, object] = {}
+        self._valid: dict[str, int] = {}  # this step: request -> drafts the grammar allows, where one is not
         self._bitmask = np.zeros((0, (vocab_size + 31) // 32), np.int32)
         self.mask_seconds = 0.0  # time spent computing and applying masks, and rows masked
         self.masked_rows = 0
@@ -74,22 +75,29 @@ class Grammars:
 
     def stop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self._valid.pop(request_id, None)
 
     def forced(self, request_id: str, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces next (empty where it allows a choice)."""
         m = self.matchers[request_id]
         return [] if limit <= 0 or m.is_stopped() else list(m.compute_ff_tokens())[:limit]
 
-    def valid_prefix(self, request_id: str, tokens) -> int:
-        """How many of `tokens` the grammar accepts in a row from the request's current state."""
+    def cut(self, request_id: str, tokens, keep_forbidden: bool) -> int:
+        """How many of a proposer's drafts to verify: those the grammar accepts in a row, plus the first
+        forbidden one when `keep_forbidden` (a draft with a real q, sampled: see the module docstring).
+        A kept forbidden draft's row is left unmasked by `mask_rows` (it is never sampled from)."""
         m = self.matchers[request_id]
         n = m.try_consume_tokens([int(t) for t in tokens])
         if n:
             m.rollback(n)
+        if n < len(tokens) and keep_forbidden:
+            self._valid[request_id] = n
+            return n + 1
         return n
 
     def mask_rows(self, logits: np.ndarray, runs: list[tuple[str, int, list[int]]]) -> None:
-        """Mask logits rows in place: runs of (request, first row, drafts), rows first .. first + len(drafts)."""
+        """Mask logits rows in place: runs of (request, first row, drafts), rows first .. first + len(drafts)
+        (the drafts come from `forced` or `cut`, so all but a kept forbidden last one are grammar-valid)."""
         if not runs:
             return
         import llguidance.numpy as lln
@@ -101,7 +109,7 @@ class Grammars:
         self._ll()
         plain, drafted, rows, k = [], [], [], 0  # llguidance takes runs with and without drafts apart
         for rid, first, drafts in runs:
-            drafts = drafts[: self.valid_prefix(rid, drafts)]  # a forbidden draft's row stays unmasked: never used
+            drafts = drafts[: self._valid.pop(rid, len(drafts))]
             if len(drafts):
                 drafted.append((self.matchers[rid], k, [int(t) for t in drafts]))
             else:
