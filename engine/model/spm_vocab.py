@@ -70,13 +70,18 @@ def build_spm_backend(
     if add_space_prefix:
         decoder_steps.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(decoder_steps)
+    add_whole_tokens(backend, tokens, token_types)  # matched on the raw text, before the space escape
+    return backend
+
+
+def add_whole_tokens(backend: BackendTokenizer, tokens: Sequence[str], token_types: Sequence[int]) -> None:
+    """Control and unknown tokens become special tokens and user-defined ones added tokens: each is
+    matched whole in the text (one id), never split by the model's merges."""
     typed = list(zip(tokens, token_types, strict=True))
-    # Matched on the raw text before the normalizer (llama.cpp: before the space escape).
     backend.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, kind in typed if kind in SPECIAL_TYPES]
     )
     backend.add_tokens([AddedToken(t, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED])
-    return backend
 
 
 def spm_piece_bytes(token: str, token_type: int) -> bytes:

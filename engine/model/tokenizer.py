@@ -19,12 +19,12 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.model import chat_templates
 from engine.model.gguf_metadata import read_gguf_metadata
-from engine.model.spm_vocab import SPECIAL_TYPES, TOKEN_TYPE_USER_DEFINED, build_spm_backend, spm_piece_bytes
+from engine.model.spm_vocab import SPECIAL_TYPES, add_whole_tokens, build_spm_backend, spm_piece_bytes
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -82,12 +82,7 @@ def _bpe_backend(meta: dict[str, Any], tokens: list[str], token_types: list[int]
     backend = BackendTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
     backend.decoder = decoders.ByteLevel()
-    typed = list(zip(tokens, token_types, strict=True))
-    # Control tokens (<|im_start|> ...) must match whole, as one id, never split by BPE.
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, kind in typed if kind in SPECIAL_TYPES]
-    )
-    backend.add_tokens([AddedToken(t, normalized=False) for t, kind in typed if kind == TOKEN_TYPE_USER_DEFINED])
+    add_whole_tokens(backend, tokens, token_types)  # <|im_start|> and the like: one id each
     return backend
 
 
