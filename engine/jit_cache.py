@@ -24,11 +24,17 @@ _KEEP = 3  # cache versions kept side by side (several checkouts may share one h
 _held = threading.local()  # depth of compile_lock() in this thread (it is re-entrant)
 
 
+_MARKERS = ("njit", "intrinsic")  # a file holding either takes part in compiled code
+
+
 def _kernel_sources() -> list[Path]:
+    """Every file whose code can end up in a compiled kernel: engine/kernels whole (its tiles are plain
+    functions compiled through simd.specialize), and any other file that jits or defines intrinsics."""
     found = []
     for package in _PACKAGES:
         for path in sorted((_ROOT / package).rglob("*.py")):
-            if "njit" in path.read_text(encoding="utf-8", errors="ignore"):
+            text = path.read_text(encoding="utf-8", errors="ignore")
+            if path.parent.name == "kernels" or any(marker in text for marker in _MARKERS):
                 found.append(path)
     return found
 

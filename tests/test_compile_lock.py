@@ -1,5 +1,6 @@
 """Engines build their kernels one process at a time (engine.jit_cache.compile_lock): another process
-holding the cache folder's lock makes a second wait; the lock is re-entrant within a process."""
+holding the cache folder's lock makes a second wait; the lock is re-entrant within a process. The cache
+folder itself is versioned by every source a kernel is built from."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ def test_without_a_cache_folder_the_lock_is_a_no_op(monkeypatch):
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     with compile_lock():
         pass
+
+
+def test_every_file_that_feeds_a_kernel_versions_the_cache():
+    """Numba checks a cached kernel against its own file only, so the cache folder is named after a hash
+    of every source a kernel is built from: the integer tiles (plain functions, compiled per ISA path
+    through simd.specialize) and the intrinsics' files included, or an edit there would load stale code."""
+    from engine.jit_cache import _ROOT, _kernel_sources
+
+    names = {p.relative_to(_ROOT).as_posix() for p in _kernel_sources()}
+    for module in ("int_tiles", "int_linear", "simd", "simd_ir", "simd_paths", "layer", "attention_vec"):
+        assert f"engine/kernels/{module}.py" in names

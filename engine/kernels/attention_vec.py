@@ -9,9 +9,9 @@ attends to keys lo_r .. keys0 + r * inc - 1 (inc = 0 for heads, 1 for consecutiv
 lo_r = 0, or, on a sliding-window layer of `window` keys, max(0, keys0 + r * inc - window).
 
 Per query, in a fixed order whatever the tile: each score is a sequential float32 sum over
-head_dim; softmax takes exp(score * scale - max) (simd.f32_exp) and sums them in 16-lane partial
+head_dim (fused multiply-adds); softmax takes exp(score * scale - max) (simd.f32_exp) and sums them in 16-lane partial
 sums over its keys (16-key chunks aligned to key 0, so they depend on the query's own lo only),
-folded by a fixed tree; each output element is a sequential sum over keys in order, times 1 / sum.
+folded by a fixed tree; each output element is a sequential fused sum over keys in order, times 1 / sum.
 In a tile, a row with a later lo gets exact zero weights for the keys before it (adding +-0
 changes no sum), and rows with more keys continue their sums alone over the extra keys. So a
 query's output depends only on its q and its request's keys: not on the batch, the tile, or how
@@ -26,6 +26,7 @@ import numpy as np
 from engine.kernels.simd import (
     f32_add,
     f32_exp,
+    f32_fma,
     f32_hmax,
     f32_hsum,
     f32_keep,
@@ -60,15 +61,15 @@ def _scores(qkv, k_cache, table, q0, qstride, kvh, lo, num_keys, rows, scores):
         sb = f32_zero(rows)
         for d in range(hd):
             q = tok_f32(qkv, q0 + d, qstride, rows)
-            sa = f32_add(sa, f32_mul(q, row_f32(k_cache, a + d * bs)))
-            sb = f32_add(sb, f32_mul(q, row_f32(k_cache, b + d * bs)))
+            sa = f32_fma(q, row_f32(k_cache, a + d * bs), sa)
+            sb = f32_fma(q, row_f32(k_cache, b + d * bs), sb)
         store_rows(scores, 16 * c, ld, sa, 16)
         store_rows(scores, 16 * c + 16, ld, sb, 16)
     for c in range(chunks - (chunks - c0) % 2 if paired else c0, chunks):
         a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
         sa = f32_zero(rows)
         for d in range(hd):
-            sa = f32_add(sa, f32_mul(tok_f32(qkv, q0 + d, qstride, rows), row_f32(k_cache, a + d * bs)))
+            sa = f32_fma(tok_f32(qkv, q0 + d, qstride, rows), row_f32(k_cache, a + d * bs), sa)
         store_rows(scores, 16 * c, ld, sa, 16)
 
 
@@ -105,9 +106,9 @@ def _values(v_cache, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, res
             for j in range(max(k0, i * bs), min(k1, (i + 1) * bs)):
                 v = base + (j - i * bs) * num_kv * hd
                 p = tok_f32(scores, s0 + j, ld, rows)
-                acc = f32_add(acc, f32_mul(p, row_f32(v_cache, v)))
+                acc = f32_fma(p, row_f32(v_cache, v), acc)
                 if step == 32:
-                    acc2 = f32_add(acc2, f32_mul(p, row_f32(v_cache, v + 16)))
+                    acc2 = f32_fma(p, row_f32(v_cache, v + 16), acc2)
         store_rows(out, o0 + c, ostride, acc, 16)
         if step == 32:
             store_rows(out, o0 + c + 16, ostride, acc2, 16)

@@ -28,7 +28,6 @@ TILES = {"q4_0": "legacy_tile", "q4_1": "legacy_tile", "q5_0": "legacy_tile", "q
 _TILE_FUNCTIONS = {name: getattr(int_tiles, name) for name in
                    ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "legacy_tile", "q8_0_tile", "kquant_tile", "q6_k_tile")}
 _kernels: dict = {}
-_families: dict = {}
 _lock = threading.Lock()
 _scratch = threading.local()
 
@@ -98,15 +97,18 @@ def _gemm(w, x, out, col0, n):
             store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 1), rows)  # noqa: F821
 
 
+def _traits(fmt: str) -> dict:
+    """int_tiles' per-format constants."""
+    return {"HIGH_BIT": fmt in ("q5_0", "q5_1", "q5_k"), "OFFSET": fmt in ("q4_0", "q5_0")}
+
+
 def kernel(fmt: str, path: str):
     """The compiled weight product for one format on one ISA path (built on first use)."""
-    key = (TILES[fmt], path)
+    key = (fmt, path)
     with _lock:
         if key not in _kernels:
-            if path not in _families:
-                _families[path] = specialize_family(_TILE_FUNCTIONS, path)
-            tile = _families[path][key[0]]
-            _kernels[key] = specialize(_gemm, path, {"_tile": tile}, tag=key[0])
+            family = specialize_family(_TILE_FUNCTIONS, path, _traits(fmt), tag=fmt)
+            _kernels[key] = specialize(_gemm, path, {"_tile": family[TILES[fmt]]}, tag=fmt)
         return _kernels[key]
 
 

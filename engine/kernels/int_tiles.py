@@ -43,6 +43,10 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8 are bound per
 
 
 AHEAD = 16  # blocks: prefetch the weights this far ahead in the strip-major stream
+# The format's traits, rebound per format when int_linear compiles a kernel (Numba freezes globals
+# as constants, so each format's tile keeps only its own branches and registers):
+HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit
+OFFSET = False  # q4_0 / q5_0: w = d * (q - 8 | 16), no minimum
 
 
 def _ask_ahead(a, block, per_block):
@@ -63,7 +67,7 @@ def _nibble_sum(qs, qh, xq, wi, hi, xi, k, tt):
 
 def _block_isum(qs, qh, xq, wi, xi, k, tt):
     """Exact isum of a block of 4-bit (qh of 1 byte: one pass, 8 accumulations) or 5-bit weights."""
-    if qh.shape[0] > 1:
+    if HIGH_BIT:
         return i32_add(_nibble_sum(qs, qh, xq, wi, 0, xi, k, tt), _nibble_sum(qs, qh, xq, wi, 1, xi, k, tt))
     a = acc_zero(tt)  # noqa: F821
     for g in range(4):
@@ -74,25 +78,24 @@ def _block_isum(qs, qh, xq, wi, xi, k, tt):
 
 
 def legacy_tile(w, x, s, t0, tt):
-    """q4_0 / q5_0 (w = (qs, qh, d, offset)) and q4_1 / q5_1 (w = (qs, qh, d, m)); qh has 1 byte without bit 5."""
+    """q4_0 / q5_0 (w = (qs, qh, d, offset), OFFSET) and q4_1 / q5_1 (w = (qs, qh, d, m)); qh has 1 byte without HIGH_BIT."""
     qs, qh, d, m = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    offset = m.shape[0] == 1  # q4_0 / q5_0: m holds the offset
     f = f32_zero(tt)
     for b in range(nb):
         _ask_ahead(qs, s * nb + b, 256)
-        _ask_ahead(qh, s * nb + b, 64 if qh.shape[0] > 1 else 0)
+        _ask_ahead(qh, s * nb + b, 64 if HIGH_BIT else 0)
         _ask_ahead(d, s * nb + b, 16)
-        _ask_ahead(m, s * nb + b, 16 if m.shape[0] > 1 else 0)
+        _ask_ahead(m, s * nb + b, 0 if OFFSET else 16)
         isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)
         li, xi = (s * nb + b) * 16, t0 * nb + b
-        if offset:
+        if OFFSET:
             sums = i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt))
             isum = i32_sub(isum, i32_mul(sums, i32_splat(m[0], tt)))
         f = f32_add(f, f32_mul(f32_mul(row_f16(d, li), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
-        if not offset:
+        if not OFFSET:
             f = f32_add(f, f32_mul(row_f16(m, li), tok_f32(xm, xi, nb, tt)))
     return f
 
@@ -123,7 +126,7 @@ def kquant_tile(w, x, s, t0, tt):
     f = f32_zero(tt)
     for b in range(nb):
         _ask_ahead(qs, s * nb + b, 256)
-        _ask_ahead(qh, s * nb + b, 64 if qh.shape[0] > 1 else 0)
+        _ask_ahead(qh, s * nb + b, 64 if HIGH_BIT else 0)
         _ask_ahead(sc, s * nb + b, 16)
         _ask_ahead(mn, s * nb + b, 16)
         isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)

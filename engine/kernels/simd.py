@@ -12,8 +12,10 @@ Kernels are written once against these ops and compiled per path (`specialize`):
             vectors and cannot lower the 512-bit form there; two 256-bit ones do the same work
   avx2      vpmaddubsw into 16-bit pair sums, widened by vpmaddwd (AVX2)
   portable  plain LLVM vector IR, lowered by LLVM for whatever CPU runs it
-Integer sums are identical on every path, and the float ops (fmul, fadd, fsub, never fused, no
-fast-math flags) are the same IR on every path, so every path gives the same bits.
+Integer sums are identical on every path, and the float ops (fmul, fadd, fsub, never contracted, no
+fast-math flags; llvm.fma only where a kernel asks for f32_fma) are the same IR on every path, so
+every path gives the same bits. (The integer tiles keep their block combine unfused: fused, it
+measured ~30% slower at T = 4-16 on the Zen 3.)
 
 Bound: the AVX2 accumulator keeps 16-bit pair sums, so a kernel adds at most
 32767 // (2 * max|w| * 127) 4-dots into one `acc` before `acc_i32` (8 for 4-bit weights, 4 for
@@ -161,6 +163,20 @@ f32_mul = _binary("f32_mul", lambda b, x, y: b.fmul(x, y))  # a 16-lane operand 
 i32_add = _binary("i32_add", lambda b, x, y: b.add(x, y))
 i32_sub = _binary("i32_sub", lambda b, x, y: b.sub(x, y))
 i32_mul = _binary("i32_mul", lambda b, x, y: b.mul(x, y))
+
+
+@_intrinsic
+def f32_fma(typingctx, a, b, c):
+    """a * b + c per lane, rounded once (llvm.fma: the same bits on every CPU; a 16-lane a or b is
+    repeated for each token)."""
+    out = max((a, b, c), key=lambda v: v.count)
+
+    def codegen(context, builder, sig, args):
+        n = out.count
+        x, y, z = (_repeat(builder, v, n) for v in args)
+        return _call(builder, f"llvm.fma.v{n}f32", out.llvm(), [x, y, z])
+
+    return out(a, b, c), codegen
 
 
 @_intrinsic

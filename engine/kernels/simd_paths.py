@@ -135,17 +135,20 @@ def _clone(fn, env: dict, suffix: str):
     return clone
 
 
-def specialize_family(functions: dict, path: str) -> dict:
+def specialize_family(functions: dict, path: str, constants: dict | None = None, tag: str = "") -> dict:
     """{name: fn} -> {name: inline-compiled clone for `path`}; the clones call each other by name.
 
-    Every function must come from one module (they share its globals, plus the path's ops).
+    Every function must come from one module (they share its globals, plus the path's ops and
+    `constants`, compile-time values such as a format's traits; `tag` names that variant).
     """
     if path not in PATH_OPS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     env = dict(next(iter(functions.values())).__globals__)
     env.update(PATH_OPS[path])
+    env.update(constants or {})
+    suffix = f"_{tag}_{path}" if tag else f"_{path}"
     for name, fn in functions.items():
-        env[name] = njit(inline="always", cache=True)(_clone(fn, env, f"_{path}"))
+        env[name] = njit(inline="always", cache=True)(_clone(fn, env, suffix))
     return {name: env[name] for name in functions}
 
 
