@@ -29,7 +29,7 @@ from numba import types
 
 from engine.kernels.simd_ir import (  # noqa: F401  (LANES: part of this module's interface)
     Vec, LANES, _I8, _I16, _I32, _F32, _u8, _i32, _f32, _tokens, _literal, _addr, _splat, _split,
-    _call, _index, _int_arg, _per_token, _repeat, _intrinsic,
+    _call, _index, _int_arg, _per_token, _repeat, _intrinsic, _exp_ir,
 )
 from engine.kernels.simd_paths import PATH_OPS, PATHS, specialize, specialize_family  # noqa: F401
 
@@ -316,27 +316,22 @@ def f32_hmax(typingctx, v):
     return types.float32(v), lambda context, builder, sig, args: _reduce(builder, args[0], pick)
 
 
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
-
-
 @_intrinsic
 def f32_exp(typingctx, v):
     """e**v per lane for v <= 0 (softmax), to ~2 ulp: 2**n * p(r) with n = round(v / ln 2) and a degree-7
     polynomial in r = v - n ln 2 (ln 2 split in two); plain fmul/fadd, so every path gives the same bits."""
+    return v(v), lambda context, builder, sig, args: _exp_ir(builder, args[0])
+
+
+@_intrinsic
+def f32_sigmoid(typingctx, v):
+    """1 / (1 + e**-v) per lane, any v: with e = f32_exp(-|v|), 1 / (1 + e) for v >= 0, else e / (1 + e)."""
 
     def codegen(context, builder, sig, args):
-        ty = v.llvm()
-        c = lambda x: _splat(builder, ir.Constant(_F32, x), ty)  # noqa: E731
-        x = builder.select(builder.fcmp_ordered("<", args[0], c(-87.0)), c(-87.0), args[0])
-        n = _call(builder, f"llvm.roundeven.v{v.count}f32", ty, [builder.fmul(x, c(1.4426950408889634))])
-        r = builder.fsub(builder.fsub(x, builder.fmul(n, c(0.693359375))), builder.fmul(n, c(-2.12194440e-4)))
-        p = c(_EXP_POLY[0])
-        for coef in _EXP_POLY[1:]:
-            p = builder.fadd(builder.fmul(p, r), c(coef))
-        p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), c(1.0))
-        ity = ir.VectorType(_I32, v.count)
-        bits = builder.shl(builder.add(builder.fptosi(n, ity), _splat(builder, ir.Constant(_I32, 127), ity)),
-                           _splat(builder, ir.Constant(_I32, 23), ity))
-        return builder.fmul(p, builder.bitcast(bits, ty))
+        x = args[0]
+        one = _splat(builder, ir.Constant(_F32, 1.0), x.type)
+        negative = builder.fcmp_ordered("<", x, ir.Constant(x.type, [0.0] * v.count))
+        e = _exp_ir(builder, builder.select(negative, x, builder.fneg(x)))
+        return builder.fdiv(builder.select(negative, e, one), builder.fadd(one, e))
 
     return v(v), codegen

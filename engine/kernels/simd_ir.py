@@ -123,3 +123,23 @@ def _repeat(builder, v, count: int):
 
 def _intrinsic(fn):
     return intrinsic(prefer_literal=True)(fn)
+
+
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+def _exp_ir(builder, x):
+    """e**x per lane of a float vector, for x <= 0 (see simd.f32_exp)."""
+    ty = x.type
+    c = lambda v: _splat(builder, ir.Constant(_F32, v), ty)  # noqa: E731
+    x = builder.select(builder.fcmp_ordered("<", x, c(-87.0)), c(-87.0), x)
+    n = _call(builder, f"llvm.roundeven.v{ty.count}f32", ty, [builder.fmul(x, c(1.4426950408889634))])
+    r = builder.fsub(builder.fsub(x, builder.fmul(n, c(0.693359375))), builder.fmul(n, c(-2.12194440e-4)))
+    p = c(_EXP_POLY[0])
+    for coef in _EXP_POLY[1:]:
+        p = builder.fadd(builder.fmul(p, r), c(coef))
+    p = builder.fadd(builder.fadd(builder.fmul(p, builder.fmul(r, r)), r), c(1.0))
+    ity = ir.VectorType(_I32, ty.count)
+    bits = builder.shl(builder.add(builder.fptosi(n, ity), _splat(builder, ir.Constant(_I32, 127), ity)),
+                       _splat(builder, ir.Constant(_I32, 23), ity))
+    return builder.fmul(p, builder.bitcast(bits, ty))
