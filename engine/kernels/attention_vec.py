@@ -8,10 +8,11 @@ V load: the heads of the KV group for a single token, or one head of the chunk's
 attends to keys lo_r .. keys0 + r * inc - 1 (inc = 0 for heads, 1 for consecutive tokens), where
 lo_r = 0, or, on a sliding-window layer of `window` keys, max(0, keys0 + r * inc - window).
 
-Per query, in a fixed order whatever the tile: each score is a sequential float32 sum over
-head_dim (fused multiply-adds); softmax takes exp(score * scale - max) (simd.f32_exp) and sums them in 16-lane partial
-sums over its keys (16-key chunks aligned to key 0, so they depend on the query's own lo only),
-folded by a fixed tree; each output element is a sequential fused sum over keys in order, times 1 / sum.
+Per query, in a fixed order whatever the tile: each score is a sequential float32 sum of fused
+multiply-adds over head_dim; softmax takes exp(score * scale - max) (simd.f32_exp) and sums them
+in 16-lane partial sums over its keys (16-key chunks aligned to key 0, so they depend on the
+query's own lo only), folded by a fixed tree; each output element is a sequential fused sum over
+keys in order, times 1 / sum.
 In a tile, a row with a later lo gets exact zero weights for the keys before it (adding +-0
 changes no sum), and rows with more keys continue their sums alone over the extra keys. So a
 query's output depends only on its q and its request's keys: not on the batch, the tile, or how
