@@ -3,7 +3,9 @@
 One gateway and two workers serve the module; tests run in file order and leave the
 cluster whole (a killed process is restarted before the test ends). The gateway's
 worker timeout is 30 s here, so a loss noticed within seconds proves it came from the
-socket's disconnect, not from the heartbeat timeout.
+socket's disconnect, not from the heartbeat timeout. The gateway tests' long streams ask for
+~2,000 tokens, so they outlive the 2 s grace (and a gateway restart) however fast the kernels get;
+480 tokens once fit inside a 3 s grace.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from servers import Cluster, Stream, http
 
 pytestmark = pytest.mark.slow
 WORKER_TIMEOUT = 30.0
-GRACE = 3.0
+GRACE = 2.0
+MAX_MODEL_LEN = 2048  # room for a stream that outlives the grace period
+WORKER_ARGS = ("--max-model-len", str(MAX_MODEL_LEN))
 STORY = {"prompt": "Tell me a long story about a lighthouse keeper.", "temperature": 0, "ignore_eos": True}
 
 
@@ -29,8 +33,8 @@ def cluster(tmp_path_factory, model_path):
     env = {"SPECULANT_WORKER_TIMEOUT": str(WORKER_TIMEOUT), "SPECULANT_SHUTDOWN_GRACE": str(GRACE)}
     c = Cluster(tmp_path_factory.mktemp("faults"), model_path, env=env)
     c.start("gateway", "gateway")
-    c.start_worker("w1")
-    c.start_worker("w2")
+    c.start_worker("w1", *WORKER_ARGS)
+    c.start_worker("w2", *WORKER_ARGS)
     try:
         c.wait_workers(2)
         yield c
@@ -139,7 +143,7 @@ async def test_killed_worker_fails_only_its_requests_promptly_and_a_restart_rejo
     status, body, _ = http(f"{cluster.url}/health")
     assert (status, body["workers"]) == (200, 1)
 
-    cluster.start_worker("w2")  # same id, new process, same gateway
+    cluster.start_worker("w2", *WORKER_ARGS)  # same id, new process, same gateway
     await asyncio.to_thread(cluster.wait_workers, 2)
     async with aiohttp.ClientSession() as session:
         streams = await start_streams(session, cluster, model, [{"max_tokens": 64}] * 2)
@@ -159,7 +163,7 @@ async def test_killed_worker_fails_only_its_requests_promptly_and_a_restart_rejo
 async def test_sigterm_lets_streams_finish_within_the_grace_then_ends_the_rest(cluster, model):
     gateway = cluster.procs["gateway"]
     async with aiohttp.ClientSession() as session:
-        short, long = await start_streams(session, cluster, model, [{"max_tokens": 24}, {"max_tokens": 480}])
+        short, long = await start_streams(session, cluster, model, [{"max_tokens": 24}, {"max_tokens": MAX_MODEL_LEN - 64}])
         num_before = len(long.events)
         cluster.kill("gateway", signal.SIGTERM)
         await asyncio.sleep(0.5)
@@ -179,7 +183,7 @@ async def test_sigterm_lets_streams_finish_within_the_grace_then_ends_the_rest(c
 
 async def test_killed_gateway_workers_rejoin_a_new_one_and_drop_orphaned_requests(cluster, model):
     async with aiohttp.ClientSession() as session:
-        streams = await start_streams(session, cluster, model, [{"max_tokens": 480}] * 2)
+        streams = await start_streams(session, cluster, model, [{"max_tokens": MAX_MODEL_LEN - 64}] * 2)
         cluster.kill("gateway")
         await asyncio.wait_for(asyncio.gather(*(s.task for s in streams)), 30)
     assert all(s.failure is not None and not s.done for s in streams)  # the connections broke
