@@ -40,7 +40,12 @@ def parse(argv):
     p.add_argument("--kv-cache-dtype", choices=("auto", "float16", "float32"), default="auto")
     p.add_argument("--peers", action="store_true", help="also time llama.cpp (and transformers fp32) if installed")
     p.add_argument("--json", default=None, help="write the results here as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name, least in (("context", 1), ("decode_tokens", 1), ("repeats", 1), ("threads", 0), ("prefill_tokens", 1),
+                        ("long_context", 0)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    return args
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

@@ -94,3 +94,12 @@ def test_default_methods_are_the_installed_model_free_proposers():
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     assert main(argv) == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--prefill-tokens", "0"), ("--repeats", "0"), ("--long-context", "-1")])
+def test_bench_model_refuses_a_bad_count_naming_the_flag(flag, value, capsys):
+    from benchmarks.model import parse
+
+    with pytest.raises(SystemExit) as exc:
+        parse([flag, value])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
