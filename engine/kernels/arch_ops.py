@@ -11,8 +11,9 @@ import numba as nb
 import numpy as np
 
 from engine.kernels.ops import _twice
+from engine.kernels.simd import f32_add, f32_mul, f32_sigmoid, f32_splat, row_f32, store_rows
 
-_SQRT_2_OVER_PI = np.float32(0.7978845608028654)
+_TWO_SQRT_2_OVER_PI = np.float32(2 * 0.7978845608028654)
 _GELU_CUBIC = np.float32(0.044715)
 
 
@@ -36,13 +37,22 @@ def _rope_neox(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
 
 
 def _geglu(gate_up, out):
-    """out = gelu_tanh(gate) * up. gate_up: [num_tokens, 2 * inter] (gate | up); out: [num_tokens, inter]."""
+    """out = gelu_tanh(gate) * up, as gate * sigmoid(2u) * up with u = sqrt(2 / pi) (gate + 0.044715 gate^3)
+    (0.5 (1 + tanh u) is sigmoid(2u)): 16 lanes at a time (simd.f32_sigmoid), a tail of inter % 16 in scalar
+    code. gate_up: [num_tokens, 2 * inter] (gate | up); out: [num_tokens, inter]."""
     inter = out.shape[1]
+    body = inter - inter % 16
     for t in nb.prange(out.shape[0]):
-        for i in range(inter):
-            g = gate_up[t, i]
-            inner = _SQRT_2_OVER_PI * (g + _GELU_CUBIC * g * g * g)
-            out[t, i] = np.float32(0.5) * g * (np.float32(1.0) + np.tanh(inner)) * gate_up[t, inter + i]
+        row, dst = gate_up[t], out[t]
+        for i in range(0, body, 16):
+            g = row_f32(row, i)
+            cubic = f32_mul(f32_splat(_GELU_CUBIC, 1), f32_mul(g, f32_mul(g, g)))
+            u2 = f32_mul(f32_splat(_TWO_SQRT_2_OVER_PI, 1), f32_add(g, cubic))
+            store_rows(dst, i, 0, f32_mul(f32_mul(g, f32_sigmoid(u2)), row_f32(row, inter + i)), 16)
+        for i in range(body, inter):
+            g = row[i]
+            u2 = _TWO_SQRT_2_OVER_PI * (g + _GELU_CUBIC * (g * (g * g)))
+            dst[i] = g / (np.float32(1.0) + np.exp(-u2)) * row[inter + i]
 
 
 def _add_bias(qkv, bias):
