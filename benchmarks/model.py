@@ -81,7 +81,10 @@ def engine_args(args, max_tokens):
 
 
 def verify_curve(runner, context: int, repeats: int, ts=VERIFY_TS) -> dict[int, float]:
-    """Median ms of a forward that appends T tokens on top of `context` cached tokens."""
+    """Median ms of a forward that appends T tokens on top of `context` cached tokens.
+
+    The Ts are timed in rounds (each T once per round), so a slow phase of the machine weighs on every
+    T alike and the ratios to T = 1 hold better than the absolute figures."""
     from engine.model.cpu_runner import ForwardBatch
 
     fb = ForwardBatch(runner.cache)
@@ -91,15 +94,13 @@ def verify_curve(runner, context: int, repeats: int, ts=VERIFY_TS) -> dict[int, 
         fb.clear()
         fb.add(np.arange(start, min(context, start + chunk), dtype=np.int32) % 1000, start, table, 1)
         runner.forward(fb)
-    out = {}
-    for t in ts:
-        times = []
-        for _ in range(repeats):
+    times = {t: [] for t in ts}
+    for _ in range(repeats):
+        for t in ts:
             fb.clear()
             fb.add(np.arange(t, dtype=np.int32) + 7, context, table, t)
-            times.append(_timed(lambda: runner.forward(fb)))
-        out[t] = 1000 * float(np.median(times))
-    return out
+            times[t].append(_timed(lambda: runner.forward(fb)))
+    return {t: 1000 * float(np.median(v)) for t, v in times.items()}
 
 
 def decode_rate(eng, prompt_ids, batch: int, num_tokens: int) -> float:
