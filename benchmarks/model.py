@@ -37,7 +37,7 @@ def parse(argv):
     p.add_argument("--prefill-tokens", type=int, default=500, help="prompt length of the prefill measurement")
     p.add_argument("--long-context", type=int, default=2000, help="cached tokens of the long decode step (0: skip)")
     p.add_argument("--numerics", choices=("int8", "exact"), default="int8")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "float16", "float32"), default="auto")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float16", "float32", "int8"), default="auto")
     p.add_argument("--peers", action="store_true", help="also time llama.cpp (and transformers fp32) if installed")
     p.add_argument("--json", default=None, help="write the results here as JSON")
     args = p.parse_args(argv)

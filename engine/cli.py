@@ -32,8 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", default=_env("numerics", "int8"), choices=["int8", "exact"],
                    help="cpu: int8 = integer weight products on int8-quantized activations (fast); "
                         "exact = strict float32 (matches transformers to 1e-3)")
-    p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "float16", "float32"],
-                   help="cpu: KV cache element type (auto: float16 with int8 numerics, float32 with exact)")
+    p.add_argument("--kv-cache-dtype", default=_env("kv-cache-dtype", "auto"), choices=["auto", "float16", "float32", "int8"],
+                   help="cpu: KV cache element type (auto: float16 with int8 numerics, float32 with exact; "
+                        "int8: q8_0 blocks of 32, half float16's bytes)")
     p.add_argument("--device", default=_env("device", "cpu"), choices=["cpu", "cuda", "auto"], help="compute backend")
     p.add_argument("--gpu-memory-utilization", type=float, default=_env("gpu-memory-utilization", None),
                    help="cuda: fraction of GPU memory for weights, buffers and KV cache (default: --kv-cache-memory)")

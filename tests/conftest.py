@@ -55,10 +55,18 @@ def exact_engine(model_path):
     return LLMEngine.from_args(engine_args(numerics="exact"))
 
 
-@pytest.fixture(scope="session", params=["int8", "exact"])
+@pytest.fixture(scope="session")
+def int8_kv_engine(model_path):
+    """The default engine with --kv-cache-dtype int8 (q8_0 blocks in the KV cache)."""
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(engine_args(kv_cache_dtype="int8"))
+
+
+@pytest.fixture(scope="session", params=["int8", "exact", "int8-kv"])
 def any_engine(request):
-    """Each numerics mode in turn (the default int8 engine, then the exact one)."""
-    return request.getfixturevalue("engine" if request.param == "int8" else "exact_engine")
+    """Each numerics mode in turn (the default int8 engine, then the exact one), then int8 with an int8 KV cache."""
+    return request.getfixturevalue({"int8": "engine", "exact": "exact_engine", "int8-kv": "int8_kv_engine"}[request.param])
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Paged append attention: the general kernel and the vector kernel (block_size, head_dim multiples of
-16; float32 or fp16 cache) match a float64 softmax-attention reference, and a query's output from the
-vector kernel is the same bits alone, inside a ragged batch, or among its run's other tokens."""
+16; float32, fp16 or int8 cache) match a float64 softmax-attention reference, and a query's output from the
+vector kernel is the same bits alone, inside a ragged batch, or among its run's other tokens. The int8
+cache's writer stores what a NumPy q8_0 quantizer gives."""
 
 import numpy as np
 import pytest
@@ -49,7 +50,8 @@ def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale, windo
 
 
 def run(kernel, case, scale, window=0):
-    out = np.full((case[0].shape[0], NUM_HEADS * case[1].shape[2]), np.nan, np.float32)
+    head_dim = (case[1][0] if isinstance(case[1], tuple) else case[1]).shape[2]
+    out = np.full((case[0].shape[0], NUM_HEADS * head_dim), np.nan, np.float32)
     kernel(*case, NUM_HEADS, np.float32(scale), window, out)
     return out
 
@@ -61,6 +63,29 @@ def as_fp16(case):
     return (qkv, k16.view(np.uint16), v16.view(np.uint16), *rest), (qkv, k16.astype(np.float32), v16.astype(np.float32), *rest)
 
 
+def q8_0(x: np.ndarray, axis: int):
+    """NumPy q8_0 along `axis` (blocks of 32): (int8 values, float32 scales with that axis / 32), as
+    llama.cpp quantizes: scale = max|x| / 127, values round(x / scale) half to even."""
+    x = np.moveaxis(x, axis, -1)
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8).reshape(x.shape)
+    return np.moveaxis(q, -1, axis), np.moveaxis(scale, -1, axis)
+
+
+def as_int8(case):
+    """The same case with K/V in an int8 cache ((values, scales) pairs), and its float32 twin for the reference."""
+    qkv, k, v, *rest = case
+    (kq, ks), (vq, vs) = q8_0(k, 2), q8_0(v, 3)
+    twin_k = kq.astype(np.float32) * np.repeat(ks, 32, axis=2)
+    twin_v = vq.astype(np.float32) * np.repeat(vs, 32, axis=3)
+    return (qkv, (kq, ks), (vq, vs), *rest), (qkv, twin_k, twin_v, *rest)
+
+
+CACHES = {"float32": lambda case: (case, case), "float16": as_fp16, "int8": as_int8}
+
+
 @pytest.mark.parametrize("window", [0, 5, 13])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (40, 4), (64, 24)])
 def test_general_kernel_matches_a_float64_reference(head_dim, block_size, window):
@@ -70,13 +95,13 @@ def test_general_kernel_matches_a_float64_reference(head_dim, block_size, window
         np.testing.assert_allclose(run(kernel, case, scale, window), reference(*case, scale, window), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cache", ["float32", "float16"])
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("head_dim,block_size,heads", [(64, 16, (6, 2)), (32, 32, (4, 1)), (128, 16, (7, 1)), (256, 16, (4, 1))])
 def test_vector_kernel_matches_a_float64_reference(head_dim, block_size, heads, cache, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "NUM_HEADS", heads[0])
     monkeypatch.setattr(__import__(__name__), "NUM_KV", heads[1])
     case = make_case(head_dim, block_size, [(37, 1), (5, 4), (0, 9), (80, 3), (16, 16)])
-    case, twin = as_fp16(case) if cache == "float16" else (case, case)
+    case, twin = CACHES[cache](case)
     scale = 1 / np.sqrt(head_dim)
     for window in (0, 7, 33):  # a sliding window: unaligned, and longer than a 16-key chunk
         want = reference(*twin, scale, window)
@@ -92,13 +117,13 @@ def one_query(case, t):
 
 
 @pytest.mark.parametrize("window", [0, 6, 19])
-@pytest.mark.parametrize("cache", ["float32", "float16"])
+@pytest.mark.parametrize("cache", list(CACHES))
 def test_vector_kernel_query_is_the_same_bits_alone_or_batched(cache, window):
     """Each query run alone (one token, one request) equals the same query inside a ragged batch,
     where runs of 2-9 tokens share K/V loads in tiles of consecutive tokens or of a group's heads;
     with a sliding window too, where a tile's rows start at different keys."""
     case = make_case(64, 16, [(37, 1), (5, 4), (0, 9), (80, 3), (16, 2), (3, 7), (40, 8)], seed=2)
-    case = as_fp16(case)[0] if cache == "float16" else case
+    case = CACHES[cache](case)[0]
     for kernel in A._ATTENTION_VEC:
         batched = run(kernel, case, 0.125, window)
         alone = np.concatenate([run(kernel, one_query(case, t), 0.125, window) for t in range(case[0].shape[0])])
@@ -109,3 +134,45 @@ def test_fp16_cache_needs_vector_shapes():
     case, _ = as_fp16(make_case(40, 4, [(3, 2)]))
     with pytest.raises(ValueError, match="multiples of 16"):
         A.paged_attention(*case, NUM_HEADS, 0.125, np.empty((2, NUM_HEADS * 40), np.float32))
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_int8_cache_writer_stores_numpy_q8_0(serial):
+    """Every new K/V row lands in its slot as NumPy's q8_0 of it (values and scales, bit for bit); other slots stay zero."""
+    rng = np.random.default_rng(5)
+    num_blocks, head_dim, block_size, num_tokens = 6, 64, 16, 70
+    qkv = (rng.standard_normal((num_tokens, (NUM_HEADS + 2 * NUM_KV) * head_dim)) * 3).astype(np.float32)
+    qkv[3, NUM_HEADS * head_dim : (NUM_HEADS + 1) * head_dim] = 0.0  # an all-zero block: scale 0, values 0
+    slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int32)
+    k = (np.zeros((num_blocks, NUM_KV, head_dim, block_size), np.int8), np.zeros((num_blocks, NUM_KV, 2, block_size), np.float32))
+    v = (np.zeros((num_blocks, block_size, NUM_KV, head_dim), np.int8), np.zeros((num_blocks, block_size, NUM_KV, 2), np.float32))
+    A._WRITE_KV_Q8[0 if serial else 1](qkv, k, v, slots, NUM_HEADS * head_dim, NUM_KV * head_dim)
+    q = NUM_HEADS * head_dim
+    rows_k = qkv[:, q : q + NUM_KV * head_dim].reshape(num_tokens, NUM_KV, head_dim)
+    rows_v = qkv[:, q + NUM_KV * head_dim :].reshape(num_tokens, NUM_KV, head_dim)
+    (kq, ks), (vq, vs) = q8_0(rows_k, 2), q8_0(rows_v, 2)
+    b, o = slots // block_size, slots % block_size
+    np.testing.assert_array_equal(k[0][b, :, :, o], kq)
+    np.testing.assert_array_equal(k[1][b, :, :, o], ks)
+    np.testing.assert_array_equal(v[0][b, o], vq)
+    np.testing.assert_array_equal(v[1][b, o], vs)
+    untouched = np.ones((num_blocks, block_size), bool)
+    untouched[b, o] = False
+    assert not k[0].transpose(0, 3, 1, 2)[untouched].any() and not v[0][untouched].any()
+
+
+def test_kv_cache_dtype_is_checked_by_name(model_path):
+    """The runner's KV element types: int8 is 1 byte + a float32 scale per 32 values; bad names and
+    shapes the int8 kernels cannot serve are ValueErrors naming the field."""
+    from conftest import _smollm_config
+    from engine.model.cpu_runner import CpuRunner, kv_dtype_name
+
+    cfg = _smollm_config(model_path)
+    assert kv_dtype_name("int8", "exact", cfg, 16) == "int8"
+    sizes = {d: CpuRunner.kv_bytes_per_block(cfg, 16, "int8", d) for d in ("float32", "float16", "int8")}
+    assert sizes["float32"] == 2 * sizes["float16"] == 2 * 4 * cfg.num_layers * 16 * cfg.kv_size
+    assert sizes["int8"] == cfg.num_layers * 2 * 16 * cfg.kv_size * 9 // 8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        kv_dtype_name("q4_0", "int8", cfg, 16)
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 needs head_dim"):
+        kv_dtype_name("int8", "int8", cfg, 8)

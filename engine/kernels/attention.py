@@ -52,6 +52,37 @@ def _write_kv_f16(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
 
 
 @nb.njit(cache=True, inline="always")
+def _q8_block(src, start, values, scales, scale_at):
+    """Quantize src[start:start+32] as a q8_0 block (scale = max|x| / 127, q = round-half-even(x / scale),
+    as the weight products quantize activations): the 32 int8 to values[0..31], the scale to scales[scale_at]."""
+    amax = np.float32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(src[start + j]))
+    scale = amax / np.float32(127.0)
+    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    for j in range(32):
+        values[j] = np.int8(min(max(np.rint(src[start + j] * inv), -127.0), 127.0))
+    scales[scale_at] = scale
+
+
+def _write_kv_q8(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
+    """Scatter the new K/V rows into an int8 cache: k_cache = (values [blocks, kv, hd, bs] int8,
+    scales [blocks, kv, hd / 32, bs] float32), v_cache = (values [blocks, bs, kv, hd], scales [blocks, bs, kv, hd / 32])."""
+    kq, ks = k_cache
+    vq, vs = v_cache
+    num_kv, head_dim, block_size = kq.shape[1], kq.shape[2], kq.shape[3]
+    for t in nb.prange(qkv.shape[0]):
+        slot = slot_mapping[t]
+        b = slot // block_size
+        o = slot % block_size
+        row = qkv[t]
+        for h in range(num_kv):
+            for g in range(head_dim // 32):
+                _q8_block(row, q_size + h * head_dim + 32 * g, kq[b, h, 32 * g : 32 * g + 32, o], ks[b, h, :, o], g)
+                _q8_block(row, q_size + kv_size + h * head_dim + 32 * g, vq[b, o, h, 32 * g : 32 * g + 32], vs[b, o, h], g)
+
+
+@nb.njit(cache=True, inline="always")
 def _softmax_rows(scores, positions, t0, num_q, scale, window):
     """scores[qi, lo:keys] = exp(scores * scale - max) over keys lo..position, in key order; [num_q] 1 / sums."""
     inv = np.empty(num_q, dtype=np.float32)
@@ -121,17 +152,22 @@ def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_h
 
 _WRITE_KV = _twice(_write_kv)
 _WRITE_KV_F16 = _twice(_write_kv_f16)
+_WRITE_KV_Q8 = _twice(_write_kv_q8)
 _ATTENTION = _twice(_paged_attention)
 _ATTENTION_VEC = _twice(paged_attention_vec)
 
 
 def vector_shapes(head_dim: int, block_size: int) -> bool:
-    """Whether the vector kernel (and an fp16 cache) serves these shapes."""
+    """Whether the vector kernel (and an fp16 cache) serves these shapes (an int8 cache: head_dim a multiple of 32)."""
     return head_dim % 16 == 0 and block_size % 16 == 0
 
 
 def write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
-    pair = _WRITE_KV_F16 if k_cache.dtype == np.uint16 else _WRITE_KV
+    """k_cache/v_cache: float32 or fp16 arrays, or an int8 cache's (values, scales) pairs."""
+    if isinstance(k_cache, tuple):
+        pair = _WRITE_KV_Q8
+    else:
+        pair = _WRITE_KV_F16 if k_cache.dtype == np.uint16 else _WRITE_KV
     fn = pair[1] if qkv.shape[0] >= 64 else pair[0]
     fn(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size)
 
@@ -139,7 +175,8 @@ def write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
 def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out, window: int = 0):
     num_tokens = qkv.shape[0]
     work = num_tokens * num_heads * (int(positions.max()) + 1) if num_tokens else 0
-    if vector_shapes(k_cache.shape[2], k_cache.shape[3]):
+    values = k_cache[0] if isinstance(k_cache, tuple) else k_cache
+    if vector_shapes(values.shape[2], values.shape[3]):
         pair = _ATTENTION_VEC
     elif k_cache.dtype == np.uint16:
         raise ValueError("an fp16 KV cache needs head_dim and block_size to be multiples of 16")

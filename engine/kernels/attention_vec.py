@@ -1,6 +1,8 @@
 """Append attention with vector kernels, for head_dim and block_size multiples of 16.
 
-K/V in float32 or fp16 (uint16 bits, converted exactly on load). Work: a chunk of up to 4
+K/V in float32, fp16 (uint16 bits, converted exactly on load) or int8 (llama.cpp's q8_0 blocks: 32
+dims of one key and head share a scale, kept in float32 beside the values; head_dim a multiple
+of 32). Work: a chunk of up to 4
 consecutive tokens of one request x one KV head x one half of its group's query heads (so two
 threads share an odd number of KV heads evenly: decode attention at 2,000 tokens 117 -> 92 us
 per layer on SmolLM2's 3 KV heads). A tile is up to 4 query rows sharing every K and
@@ -9,10 +11,10 @@ attends to keys lo_r .. keys0 + r * inc - 1 (inc = 0 for heads, 1 for consecutiv
 lo_r = 0, or, on a sliding-window layer of `window` keys, max(0, keys0 + r * inc - window).
 
 Per query, in a fixed order whatever the tile: each score is a sequential float32 sum of fused
-multiply-adds over head_dim; softmax takes exp(score * scale - max) (simd.f32_exp) and sums them
+multiply-adds over head_dim (int8: over each 32 dims, then fused into the score times their scale); softmax takes exp(score * scale - max) (simd.f32_exp) and sums them
 in 16-lane partial sums over its keys (16-key chunks aligned to key 0, so they depend on the
 query's own lo only), folded by a fixed tree; each output element is a sequential fused sum over
-keys in order, times 1 / sum.
+keys in order (int8: each weight times the key's scale of those dims first), times 1 / sum.
 In a tile, a row with a later lo gets exact zero weights for the keys before it (adding +-0
 changes no sum), and rows with more keys continue their sums alone over the extra keys. So a
 query's output depends only on its q and its request's keys: not on the batch, the tile, or how
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from engine.kernels.simd import (
     f32_add,
@@ -45,12 +49,36 @@ from engine.kernels.simd import (
 TOKENS_PER_ITEM = 4
 
 
+def cache_parts(entry):
+    """A cache entry as (values, flat scales): an int8 cache's (values, scales) pair, or (array, None)."""
+    if isinstance(entry, tuple):
+        return entry[0], entry[1].reshape(-1)
+    return entry, None
+
+
+@overload(cache_parts, inline="always")
+def _cache_parts(entry):
+    if isinstance(entry, types.BaseTuple):
+        return lambda entry: (entry[0], entry[1].reshape(-1))
+    return lambda entry: (entry, None)
+
+
+@nb.njit(cache=True, inline="always")
+def _scaled(part, acc, k_scale, sidx):
+    """The score sum after one span of dims: the span's sum alone (float cache, one span of head_dim),
+    or acc + part * the keys' scales (int8 cache, spans of 32 dims)."""
+    if k_scale is None:
+        return part
+    return f32_fma(part, row_f32(k_scale, sidx), acc)
+
+
 @nb.njit(cache=True)
-def _scores(qkv, k_cache, table, q0, qstride, kvh, lo, num_keys, rows, scores):
+def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, scores):
     """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for the 16-key chunks
     from lo's to num_keys; up to 2 rows take two chunks of 16 at a time, so that several sums are in flight."""
     nb.literally(rows)
     num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    span = hd if k_scale is None else 32  # dims per scale
     ld = scores.shape[1]
     chunks = (num_keys + 15) // 16
     c0 = lo // 16
@@ -60,18 +88,32 @@ def _scores(qkv, k_cache, table, q0, qstride, kvh, lo, num_keys, rows, scores):
         b = (table[16 * (c + 1) // bs] * num_kv + kvh) * hd * bs + 16 * (c + 1) % bs
         sa = f32_zero(rows)
         sb = f32_zero(rows)
-        for d in range(hd):
-            q = tok_f32(qkv, q0 + d, qstride, rows)
-            sa = f32_fma(q, row_f32(k_cache, a + d * bs), sa)
-            sb = f32_fma(q, row_f32(k_cache, b + d * bs), sb)
+        for d0 in range(0, hd, span):
+            pa = f32_zero(rows)
+            pb = f32_zero(rows)
+            for d in range(d0, d0 + span):
+                q = tok_f32(qkv, q0 + d, qstride, rows)
+                pa = f32_fma(q, row_f32(k_cache, a + d * bs), pa)
+                pb = f32_fma(q, row_f32(k_cache, b + d * bs), pb)
+            sa = _scaled(pa, sa, k_scale, _scale_index(a, d0, hd, bs))
+            sb = _scaled(pb, sb, k_scale, _scale_index(b, d0, hd, bs))
         store_rows(scores, 16 * c, ld, sa, 16)
         store_rows(scores, 16 * c + 16, ld, sb, 16)
     for c in range(chunks - (chunks - c0) % 2 if paired else c0, chunks):
         a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
         sa = f32_zero(rows)
-        for d in range(hd):
-            sa = f32_fma(tok_f32(qkv, q0 + d, qstride, rows), row_f32(k_cache, a + d * bs), sa)
+        for d0 in range(0, hd, span):
+            pa = f32_zero(rows)
+            for d in range(d0, d0 + span):
+                pa = f32_fma(tok_f32(qkv, q0 + d, qstride, rows), row_f32(k_cache, a + d * bs), pa)
+            sa = _scaled(pa, sa, k_scale, _scale_index(a, d0, hd, bs))
         store_rows(scores, 16 * c, ld, sa, 16)
+
+
+@nb.njit(cache=True, inline="always")
+def _scale_index(a, d0, hd, bs):
+    """Flat index in k_scale [blocks, kv, hd / 32, bs] of dims d0..d0+31 of the keys at flat k_cache index a."""
+    return a // (hd * bs) * (hd // 32 * bs) + d0 // 32 * bs + a % (hd * bs)
 
 
 @nb.njit(cache=True)
@@ -92,9 +134,10 @@ def _softmax(scores, r, lo, num_keys, scale):
 
 
 @nb.njit(cache=True)
-def _values(v_cache, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume):
-    """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key]);
-    resume=False starts the sums from zero. Up to 2 rows take two chunks of 16 dims at a time."""
+def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume):
+    """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key], times the
+    key's scale of these dims in an int8 cache); resume=False starts the sums from zero. Up to 2 rows
+    take two chunks of 16 dims at a time."""
     nb.literally(rows)
     bs, num_kv, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     ld = scores.shape[1]
@@ -107,6 +150,8 @@ def _values(v_cache, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, res
             for j in range(max(k0, i * bs), min(k1, (i + 1) * bs)):
                 v = base + (j - i * bs) * num_kv * hd
                 p = tok_f32(scores, s0 + j, ld, rows)
+                if v_scale is not None:  # [blocks, bs, kv, hd / 32]: one scale per 32 dims, so per chunk
+                    p = f32_mul(p, f32_splat(v_scale[v // 32], rows))
                 acc = f32_fma(p, row_f32(v_cache, v), acc)
                 if step == 32:
                     acc2 = f32_fma(p, row_f32(v_cache, v + 16), acc2)
@@ -122,22 +167,22 @@ def first_key(num_keys, window):
 
 
 @nb.njit(cache=True)
-def _tile(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, scale, out, scores, inv,
-          rows):
+def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, scale,
+          out, scores, inv, rows):
     """One tile of `rows` (literal) query rows; row r sees keys first_key(n_r, window) .. n_r - 1, n_r = keys0 + r * inc."""
     nb.literally(rows)
     hd = k_cache.shape[2]
     lo0 = first_key(keys0, window)
-    _scores(qkv, k_cache, table, q0, qstride, kvh, lo0, keys0 + (rows - 1) * inc, rows, scores)
+    _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo0, keys0 + (rows - 1) * inc, rows, scores)
     for r in range(rows):
         lo = first_key(keys0 + r * inc, window)
         inv[r] = _softmax(scores, r, lo, keys0 + r * inc, scale)
         for j in range(lo0, lo - lo % 16):  # keys the tile's first row sees and this row does not
             scores[r, j] = np.float32(0.0)
-    _values(v_cache, table, kvh, lo0, keys0, scores, 0, out, o0, ostride, rows, False)
+    _values(v_cache, v_scale, table, kvh, lo0, keys0, scores, 0, out, o0, ostride, rows, False)
     for r in range(1, rows):  # the later tokens' extra keys, each row alone
         if inc:
-            _values(v_cache, table, kvh, keys0, keys0 + r * inc, scores, r * scores.shape[1], out,
+            _values(v_cache, v_scale, table, kvh, keys0, keys0 + r * inc, scores, r * scores.shape[1], out,
                     o0 + r * ostride, ostride, 1, True)
     for r in range(rows):
         for c in range(0, hd, 16):
@@ -145,25 +190,28 @@ def _tile(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, in
 
 
 @nb.njit(cache=True)
-def _tiles(qkv, k_cache, v_cache, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, count, scale, out, scores,
-           inv):
+def _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, count,
+           scale, out, scores, inv):
     """`count` rows in tiles of 4, 2, 1."""
     r = 0
     while count - r >= 4:
-        _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
+        _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
               keys0 + r * inc, inc, window, scale, out, scores, inv, 4)
         r += 4
     if count - r >= 2:
-        _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
+        _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
               keys0 + r * inc, inc, window, scale, out, scores, inv, 2)
         r += 2
     if count - r == 1:
-        _tile(qkv, k_cache, v_cache, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
+        _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
               keys0 + r * inc, inc, window, scale, out, scores, inv, 1)
 
 
-def paged_attention_vec(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, window, out):
-    """qkv [T, (heads + 2 kv) * hd], out [T, heads * hd]; window: keys a query sees (0: all); see the module docstring."""
+def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out):
+    """qkv [T, (heads + 2 kv) * hd], out [T, heads * hd]; window: keys a query sees (0: all); K/V entries: a
+    float32 or fp16 array, or an int8 cache's (values, scales) pair (see cache_parts). See the module docstring."""
+    k_cache, k_scale = cache_parts(k_entry)
+    v_cache, v_scale = cache_parts(v_entry)
     num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv
     qs, os_ = qkv.shape[1], out.shape[1]
@@ -189,9 +237,9 @@ def paged_attention_vec(qkv, k_cache, v_cache, cu_q, positions, block_tables, nu
         table = block_tables[r]
         h0 = kvh * group + first
         if num_tokens == 1:  # the group's heads share the loads
-            _tiles(qkv, k_cache, v_cache, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
+            _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
                    kvh, keys0, 0, window, last - first, scale, out, scores, inv)
         else:  # per head, the chunk's tokens share the loads
             for h in range(h0, kvh * group + last):
-                _tiles(qkv, k_cache, v_cache, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
+                _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
                        kvh, keys0, 1, window, num_tokens, scale, out, scores, inv)

@@ -160,16 +160,20 @@ def _arch_parts(key: tuple) -> dict:
                 _post_norm=arch_ops.post_norm if post_norms else arch_ops.skip_post_norm)
 
 
+_KV_WRITERS = {"float32": attention._WRITE_KV, "float16": attention._WRITE_KV_F16, "int8": attention._WRITE_KV_Q8}
+
+
 @functools.cache
-def layer(products: tuple, kv_f16: bool, vector_attention: bool, path: str, arch: tuple):
-    """The compiled layer for four product keys (qkv, o, gate_up, down), the cache's kind and an `arch_key`."""
-    write = attention._WRITE_KV_F16 if kv_f16 else attention._WRITE_KV
+def layer(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arch: tuple):
+    """The compiled layer for four product keys (qkv, o, gate_up, down), the cache's element type
+    (float32, float16, or int8 with (values, scales) pairs as the layer's caches) and an `arch_key`."""
+    write = _KV_WRITERS[kv_dtype]
     attend = attention._ATTENTION_VEC if vector_attention else attention._ATTENTION
     bind = {name: product(key, path) for name, key in zip(("_qkv", "_o", "_gu", "_down"), products)}
     bind.update(_write_s=write[0], _write_p=write[1], _attend_s=attend[0], _attend_p=attend[1],
                 _rms_s=ops._RMS_NORM[0], _rms_p=ops._RMS_NORM[1], _add_rms_s=ops._ADD_RMS_NORM[0],
                 _add_rms_p=ops._ADD_RMS_NORM[1], **_arch_parts(arch))
-    tag = ("__".join("_".join(k) for k in products) + ("_f16" if kv_f16 else "_f32") + ("_vec" if vector_attention else "")
+    tag = ("__".join("_".join(k) for k in products) + "_" + kv_dtype + ("_vec" if vector_attention else "")
            + "__" + "_".join(str(v) for v in arch))
     return specialize(_layer, path, bind, tag=tag, parallel=False)
 

@@ -239,13 +239,15 @@ def bits_put(typingctx, v, hi, shift):
 
 @_intrinsic
 def row_f32(typingctx, arr, idx):
-    """16 values at arr[idx:] as float32: a float32 array as is, a uint16 array as fp16 bits (exact)."""
-    is_half = arr.dtype == types.uint16
+    """16 values at arr[idx:] as float32: a float32 array as is, a uint16 array as fp16 bits, an int8 array as integers (exact)."""
+    kind = {types.uint16: "half", types.int8: "int8"}.get(arr.dtype, "float")
 
     def codegen(context, builder, sig, args):
-        src = ir.VectorType(ir.HalfType() if is_half else _F32, LANES)
-        v = builder.load(_addr(context, builder, sig.args[0], args[0], args[1], src), align=2)
-        return builder.fpext(v, _f32(1).llvm()) if is_half else v
+        src = ir.VectorType({"half": ir.HalfType(), "int8": _I8, "float": _F32}[kind], LANES)
+        v = builder.load(_addr(context, builder, sig.args[0], args[0], args[1], src), align=1)
+        if kind == "float":
+            return v
+        return builder.fpext(v, _f32(1).llvm()) if kind == "half" else builder.sitofp(v, _f32(1).llvm())
 
     return _f32(1)(arr, idx), codegen
 

@@ -66,18 +66,21 @@ class ForwardBatch:
         self.num_reqs, self.num_tokens = r + 1, t0 + n
 
 
-KV_CACHE_DTYPES = ("auto", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "float16", "float32", "int8")
+KV_BYTES = {"float32": 4.0, "float16": 2.0, "int8": 1.0 + 4 / 32}  # per element, an int8 block's float32 scale included
 
 
 def kv_dtype_name(kv_cache_dtype: str, numerics: str, cfg: ModelConfig, block_size: int) -> str:
     """The KV cache's element type: "auto" is float16 under int8 numerics (where the vector attention
-    serves the shapes) and float32 under exact numerics."""
+    serves the shapes) and float32 under exact numerics; "int8" is q8_0 blocks of 32 dims."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     fits = vector_shapes(cfg.head_dim, block_size)
-    if kv_cache_dtype == "float16" and not fits:
-        raise ValueError(f"kv_cache_dtype float16 needs head_dim ({cfg.head_dim}) and block_size ({block_size}) "
+    if kv_cache_dtype in ("float16", "int8") and not fits:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} needs head_dim ({cfg.head_dim}) and block_size ({block_size}) "
                          "to be multiples of 16")
+    if kv_cache_dtype == "int8" and cfg.head_dim % 32:
+        raise ValueError(f"kv_cache_dtype int8 needs head_dim ({cfg.head_dim}) to be a multiple of 32")
     if kv_cache_dtype == "auto":
         return "float16" if numerics == "int8" and fits else "float32"
     return kv_cache_dtype
@@ -123,17 +126,31 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.rope_local = ops.rope_tables(max_pos, cfg.rope_dim, cfg.rope_theta_local, 1.0) if cfg.local_layers else None
         # K is stored transposed within a block so that one block's scores are a vector op over keys.
         # fp16 entries are kept as their uint16 bits (the kernels convert them exactly on load).
-        self.kv_cache_dtype = kv_dtype_name(kv_cache_dtype, self.numerics, cfg, cache.block_size)  # "float16" | "float32"
-        kv_dtype = np.uint16 if self.kv_cache_dtype == "float16" else np.float32
-        self.k_cache = np.zeros((cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cfg.head_dim, cache.block_size), kv_dtype)
-        self.v_cache = np.zeros((cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim), kv_dtype)
+        self.kv_cache_dtype = kv_dtype_name(kv_cache_dtype, self.numerics, cfg, cache.block_size)  # one of KV_BYTES
+        self.k_cache, self.v_cache = self._alloc_kv(cfg, cache)
         self._alloc_activations()
         self._compile_layers()
 
+    def _alloc_kv(self, cfg: ModelConfig, cache: CacheConfig) -> tuple:
+        """(K, V) caches of every layer: arrays [layers, blocks, kv, hd, bs] and [layers, blocks, bs, kv, hd],
+        or for int8 (values, scales) pairs, the scales with hd / 32 in place of hd (a layer's entry: `_layer_kv`)."""
+        k_shape = (cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cfg.head_dim, cache.block_size)
+        v_shape = (cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if self.kv_cache_dtype != "int8":
+            dtype = np.uint16 if self.kv_cache_dtype == "float16" else np.float32
+            return np.zeros(k_shape, dtype), np.zeros(v_shape, dtype)
+        scales = lambda shape, axis: np.zeros(shape[:axis] + (shape[axis] // 32,) + shape[axis + 1:], np.float32)  # noqa: E731
+        return (np.zeros(k_shape, np.int8), scales(k_shape, 3)), (np.zeros(v_shape, np.int8), scales(v_shape, 4))
+
+    def _layer_kv(self, i: int) -> tuple:
+        """Layer i's (K, V) cache entries, as the layer kernel takes them."""
+        pick = lambda c: (c[0][i], c[1][i]) if isinstance(c, tuple) else c[i]  # noqa: E731
+        return pick(self.k_cache), pick(self.v_cache)
+
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, numerics: str = "int8", kv_cache_dtype: str = "auto") -> int:
-        width = 2 if kv_dtype_name(kv_cache_dtype, numerics, cfg, block_size) == "float16" else 4
-        return 2 * cfg.num_layers * block_size * cfg.kv_size * width
+        width = KV_BYTES[kv_dtype_name(kv_cache_dtype, numerics, cfg, block_size)]
+        return int(2 * cfg.num_layers * block_size * cfg.kv_size * width)
 
     def _load_weights(self, model: GGUFModel) -> None:
         cfg, numerics = self.config, self.numerics
@@ -197,7 +214,6 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         cfg, path = self.config, host_path()
         self._bufs = (self.x, self.delta, self.h, self.qkv, self.attn, self.gate_up, self.act,
                       self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(cfg.intermediate_size))
-        kv_f16 = self.k_cache.dtype == np.uint16
         vector = vector_shapes(cfg.head_dim, self.cache.block_size)
         arch = layer_kernels.arch_key(cfg.arch)
         self._layer_calls = []
@@ -206,9 +222,9 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             window = cfg.window(i)
             cos, sin = self.rope_local if window else (self.rope_cos, self.rope_sin)
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
-                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), self.k_cache[i], self.v_cache[i],
+                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), *self._layer_kv(i),
                     (*parts, cos, sin, window))
-            self._layer_calls.append((layer_kernels.layer(keys, kv_f16, vector, path, arch), args))
+            self._layer_calls.append((layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch), args))
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run the model over the ragged batch; returns logits [num_logits, vocab] (a view, valid until the next call)."""
