@@ -207,6 +207,13 @@ def _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostr
               keys0 + r * inc, inc, window, scale, out, scores, inv, 1)
 
 
+@nb.njit(cache=True, inline="always")
+def _zigzag(i, n):
+    """The i-th of n chunks taken from both ends in turn (0, n-1, 1, n-2, ...): a causal prompt's chunks
+    grow in cost, and prange hands each thread a contiguous range, so this evens the threads' work."""
+    return i // 2 if i % 2 == 0 else n - 1 - i // 2
+
+
 def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out):
     """qkv [T, (heads + 2 kv) * hd], out [T, heads * hd]; window: keys a query sees (0: all); K/V entries: a
     float32 or fp16 array, or an int8 cache's (values, scales) pair (see cache_parts). See the module docstring."""
@@ -225,7 +232,7 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
             num_chunks += 1
     half = (group + 1) // 2  # each KV head's query rows in two items, so 2 threads share 3 KV heads evenly
     for item in nb.prange(num_chunks * num_kv * 2):
-        chunk, kvh, part = item // (2 * num_kv), item // 2 % num_kv, item % 2
+        chunk, kvh, part = _zigzag(item // (2 * num_kv), num_chunks), item // 2 % num_kv, item % 2
         first, last = part * half, min(group, (part + 1) * half)  # this item's rows of the group
         if first >= last:
             continue
