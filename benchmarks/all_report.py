@@ -122,12 +122,22 @@ def model_markdown(res: dict, present: set[str]) -> list[str]:
         ["decode, batch 1", f"{res['decode_tok_s_b1']:.1f} tok/s"],
         ["decode, batch 8", f"{res['decode_tok_s_b8']:.1f} tok/s"],
         ["peak RSS", f"{res['peak_rss_mb']:.0f} MB"],
+        *_compute_rows(res.get("compute_rate")),
     ])
     lines += ["", f"Verify curve: one forward appending T tokens at a {res['context']}-token context.", ""]
     lines += _table(["T", "ms", "x T=1", "x floor"], [
         [str(t), f"{ms:.2f}", f"{res['verify_ratio'][t]:.2f}", f"{ms / res['floor_ms']:.2f}"]
         for t, ms in res["verify_ms"].items()])
     return lines + _images(["model_verify_curve.png"], present)
+
+
+def _compute_rows(rate: dict | None) -> list[list[str]]:
+    if not rate:
+        return []
+    peak = rate["peak_gmacs"]
+    rows = [[f"integer 4-dot peak ({rate['path']})", f"{peak:.1f} GMAC/s"]]
+    return rows + [[f"weight products at T={t}", f"{g:.1f} GMAC/s ({g / peak:.0%} of the peak)"]
+                   for t, g in rate["products_gmacs"].items()]
 
 
 def spec_markdown(result: dict, present: set[str]) -> list[str]:

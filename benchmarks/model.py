@@ -2,7 +2,9 @@
 
 Prints prefill tokens/s (a fresh `--prefill-tokens` prompt), decode tokens/s at batch 1 and 8,
 the verify curve (ms per forward for T appended tokens at a `--context`-token context), a decode
-step at `--long-context` cached tokens against one at `--context`, peak RSS, and the floor:
+step at `--long-context` cached tokens against one at `--context`, the compute rate the weight
+products reach against the CPU's peak for their integer 4-dot (benchmarks/compute_rate.py), peak RSS,
+and the floor:
 bytes of weights streamed per step / this machine's measured read bandwidth. It names the CPU
 and the kernel path taken (`--numerics int8`: integer products; `exact`: float32).
 
@@ -146,6 +148,7 @@ def transformers_decode_rate(path, prompt_ids, num_tokens: int) -> float | None:
 
 def run(args, progress: bool = False) -> dict:
     """Every measurement of this benchmark, as one dict (`progress`: a tqdm bar over the stages)."""
+    from benchmarks import compute_rate
     from benchmarks.spec import machine_info
     from engine.llm_engine import LLMEngine
     from engine.model.model_files import resolve_model
@@ -162,6 +165,7 @@ def run(args, progress: bool = False) -> dict:
         ("prefill_tok_s", lambda: prefill_rate(eng, args.prefill_tokens)),
         ("decode_tok_s_b1", lambda: decode_rate(eng, prompt_ids, 1, args.decode_tokens)),
         ("decode_tok_s_b8", lambda: decode_rate(eng, prompt_ids, 8, args.decode_tokens)),
+        ("compute_rate", lambda: compute_rate.measure(runner, args.prefill_tokens)),
     ]
     if args.long_context:
         stages.append(("long_decode_ms", lambda: verify_curve(runner, args.long_context, args.repeats, (1,))[1]))
@@ -221,6 +225,9 @@ def report(res: dict) -> None:
     if "long_decode_ms" in res:
         print(f"decode step at {res['long_context']} ctx {res['long_decode_ms']:.2f} ms "
               f"({res['long_decode_ms'] / res['verify_ms'][1]:.2f}x the step at {res['context']})")
+    from benchmarks import compute_rate
+
+    compute_rate.report(res["compute_rate"], res["numerics"])
     print(f"peak RSS                {res['peak_rss_mb']:.0f} MB")
     if "llama_cpp" in res:
         from benchmarks.model_peer_run import report_llama_cpp

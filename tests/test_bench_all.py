@@ -40,6 +40,8 @@ def test_report_json_has_every_section(out):
     model, spec, serve = data["model"], data["spec"], data["serve"]
     assert [int(t) for t in model["verify_ms"]] == list(VERIFY_TS) and model["floor_ms"] > 0
     assert model["decode_tok_s_b1"] > 0 and model["context"] == QUICK["context"]
+    rate = model["compute_rate"]
+    assert rate["peak_gmacs"] > 0 and all(g > 0 for g in rate["products_gmacs"].values())
     assert list(spec["methods"]) == ["none", "ngram"] and list(spec["config"]["modes"]) == ["batch1", "concurrent"]
     assert {r["category"] for r in spec["rows"]} == {"code_edit", "open_chat", "all"}
     assert all(r["identical"] for r in spec["rows"])  # greedy speculation stays lossless
@@ -61,6 +63,7 @@ def test_markdown_has_every_table_and_links_the_plots_written(out):
     for table_head in ("| T | ms | x T=1 | x floor |", "| category | method | AL | tok/step |",
                        "| clients | reqs | TTFT p50/p99 ms |"):
         assert table_head in md
+    assert "| integer 4-dot peak (" in md and "| weight products at T=8 |" in md
     written = {p.name for p in out.glob("*.png")}
     assert set(_linked_images(md)) == written == set(json.loads((out / "report.json").read_text())["plots"])
     if importlib.util.find_spec("matplotlib") is not None:
