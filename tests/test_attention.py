@@ -17,8 +17,8 @@ def make_case(head_dim: int, block_size: int, runs: list[tuple[int, int]], seed:
     rng = np.random.default_rng(seed)
     tables = [-(-(c + t) // block_size) for c, t in runs]
     num_blocks = sum(tables) + 1
-    k_cache = rng.standard_normal((num_blocks, NUM_KV, head_dim, block_size)).astype(np.float32)
-    v_cache = rng.standard_normal((num_blocks, block_size, NUM_KV, head_dim)).astype(np.float32)
+    k_cache = rng.standard_normal((NUM_KV, num_blocks, head_dim, block_size)).astype(np.float32)
+    v_cache = rng.standard_normal((NUM_KV, num_blocks, block_size, head_dim)).astype(np.float32)
     order = rng.permutation(num_blocks).astype(np.int32)
     block_tables = np.zeros((len(runs), max(tables)), np.int32)
     start = 0
@@ -36,8 +36,8 @@ def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale, windo
     head_dim = k_cache.shape[2]
     out = np.zeros((qkv.shape[0], NUM_HEADS * head_dim))
     for r in range(len(cu_q) - 1):
-        keys = np.concatenate([k_cache[b].transpose(2, 0, 1) for b in block_tables[r]]).astype(np.float64)  # [T, kv, hd]
-        vals = np.concatenate([v_cache[b] for b in block_tables[r]]).astype(np.float64)
+        keys = np.concatenate([k_cache[:, b].transpose(2, 0, 1) for b in block_tables[r]]).astype(np.float64)  # [T, kv, hd]
+        vals = np.concatenate([v_cache[:, b].transpose(1, 0, 2) for b in block_tables[r]]).astype(np.float64)
         for t in range(cu_q[r], cu_q[r + 1]):
             n = positions[t] + 1
             lo = max(0, n - window) if window else 0
@@ -144,21 +144,21 @@ def test_int8_cache_writer_stores_numpy_q8_0(serial):
     qkv = (rng.standard_normal((num_tokens, (NUM_HEADS + 2 * NUM_KV) * head_dim)) * 3).astype(np.float32)
     qkv[3, NUM_HEADS * head_dim : (NUM_HEADS + 1) * head_dim] = 0.0  # an all-zero block: scale 0, values 0
     slots = rng.permutation(num_blocks * block_size)[:num_tokens].astype(np.int32)
-    k = (np.zeros((num_blocks, NUM_KV, head_dim, block_size), np.int8), np.zeros((num_blocks, NUM_KV, 2, block_size), np.float32))
-    v = (np.zeros((num_blocks, block_size, NUM_KV, head_dim), np.int8), np.zeros((num_blocks, block_size, NUM_KV, 2), np.float32))
+    k = (np.zeros((NUM_KV, num_blocks, head_dim, block_size), np.int8), np.zeros((NUM_KV, num_blocks, 2, block_size), np.float32))
+    v = (np.zeros((NUM_KV, num_blocks, block_size, head_dim), np.int8), np.zeros((NUM_KV, num_blocks, block_size, 2), np.float32))
     A._WRITE_KV_Q8[0 if serial else 1](qkv, k, v, slots, NUM_HEADS * head_dim, NUM_KV * head_dim)
     q = NUM_HEADS * head_dim
     rows_k = qkv[:, q : q + NUM_KV * head_dim].reshape(num_tokens, NUM_KV, head_dim)
     rows_v = qkv[:, q + NUM_KV * head_dim :].reshape(num_tokens, NUM_KV, head_dim)
     (kq, ks), (vq, vs) = q8_0(rows_k, 2), q8_0(rows_v, 2)
     b, o = slots // block_size, slots % block_size
-    np.testing.assert_array_equal(k[0][b, :, :, o], kq)
-    np.testing.assert_array_equal(k[1][b, :, :, o], ks)
-    np.testing.assert_array_equal(v[0][b, o], vq)
-    np.testing.assert_array_equal(v[1][b, o], vs)
+    np.testing.assert_array_equal(k[0][:, b, :, o], kq)  # [tokens, kv, hd]
+    np.testing.assert_array_equal(k[1][:, b, :, o], ks)
+    np.testing.assert_array_equal(v[0][:, b, o].transpose(1, 0, 2), vq)
+    np.testing.assert_array_equal(v[1][:, b, o].transpose(1, 0, 2), vs)
     untouched = np.ones((num_blocks, block_size), bool)
     untouched[b, o] = False
-    assert not k[0].transpose(0, 3, 1, 2)[untouched].any() and not v[0][untouched].any()
+    assert not k[0].transpose(1, 3, 0, 2)[untouched].any() and not v[0].transpose(1, 2, 0, 3)[untouched].any()
 
 
 def test_kv_cache_dtype_is_checked_by_name(model_path):

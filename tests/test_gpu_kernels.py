@@ -161,12 +161,15 @@ def test_rope_write_kv_matches_cpu(backend, dtype):
     qkv = rng.standard_normal((rb.num_tokens, g.q_size + 2 * g.kv_size)).astype(np.float32)
     cos, sin = ops.rope_tables(64, g.rope_dim, 10000.0, 1.0)
     cache_shape = (rb.num_blocks, rb.block_size, g.num_kv_heads, g.head_dim)
-    # The CPU cache keeps K transposed inside a block ([blocks, kv, hd, bs]); the GPU's does not.
-    k_cpu = np.zeros((rb.num_blocks, g.num_kv_heads, g.head_dim, rb.block_size), np.float32)
-    ref_qkv, ref_v = qkv.copy(), np.zeros(cache_shape, np.float32)
+    # The CPU cache is KV-head major and keeps K transposed inside a block ([kv, blocks, hd, bs], V
+    # [kv, blocks, bs, hd]); the GPU's is [blocks, bs, kv, hd] for both.
+    k_cpu = np.zeros((g.num_kv_heads, rb.num_blocks, g.head_dim, rb.block_size), np.float32)
+    v_cpu = np.zeros((g.num_kv_heads, rb.num_blocks, rb.block_size, g.head_dim), np.float32)
+    ref_qkv = qkv.copy()
     ops.rope_adjacent(ref_qkv, pos, cos, sin, g.num_heads + g.num_kv_heads, g.head_dim, g.rope_dim)
-    write_kv(ref_qkv, k_cpu, ref_v, slot, g.q_size, g.kv_size)
-    ref_k = np.ascontiguousarray(k_cpu.transpose(0, 3, 1, 2))
+    write_kv(ref_qkv, k_cpu, v_cpu, slot, g.q_size, g.kv_size)
+    ref_k = np.ascontiguousarray(k_cpu.transpose(1, 3, 0, 2))
+    ref_v = np.ascontiguousarray(v_cpu.transpose(1, 2, 0, 3))
     kern = backend.kernels(dtype)
     d_qkv, kv_type = backend.dev(qkv), np.dtype(kern.kv_dtype)
     d_k, d_v = backend.dev(np.zeros(cache_shape, kv_type)), backend.dev(np.zeros(cache_shape, kv_type))
@@ -208,9 +211,10 @@ def attention_inputs(rng, rb: Ragged, g: Geometry):
 
 
 def cpu_attention(qkv, k16, v16, rb: Ragged, pos, g, out) -> None:
-    """The CPU kernel as reference; its K cache is stored transposed inside each block."""
-    k_cpu = np.ascontiguousarray(k16.astype(np.float32).transpose(0, 2, 3, 1))  # [blocks, kv, hd, bs]
-    paged_attention(qkv, k_cpu, v16.astype(np.float32), rb.cu_q, pos, rb.block_tables,
+    """The CPU kernel as reference; its caches are KV-head major, K transposed inside each block."""
+    k_cpu = np.ascontiguousarray(k16.astype(np.float32).transpose(2, 0, 3, 1))  # [kv, blocks, hd, bs]
+    v_cpu = np.ascontiguousarray(v16.astype(np.float32).transpose(2, 0, 1, 3))  # [kv, blocks, bs, hd]
+    paged_attention(qkv, k_cpu, v_cpu, rb.cu_q, pos, rb.block_tables,
                     g.num_heads, np.float32(1 / np.sqrt(g.head_dim)), out)
 
 

@@ -5,8 +5,11 @@ position p attends to keys 0..p of its own request: the whole cached prefix plus
 the appended tokens up to itself (causal inside the run). On a sliding-window layer of
 `window` keys it attends to keys max(0, p + 1 - window)..p only (window 0: no window).
 
-Layout: k_cache [num_blocks, num_kv_heads, head_dim, block_size] (K transposed inside
-a block), v_cache [num_blocks, block_size, num_kv_heads, head_dim]. A query computes
+Layout: k_cache [num_kv_heads, num_blocks, head_dim, block_size] (K transposed inside
+a block), v_cache [num_kv_heads, num_blocks, block_size, head_dim]: a KV head's blocks are
+contiguous, so a request whose blocks follow each other is one stream per head (read in
+2 KB pieces 6 KB apart, with the heads inside a block, the hardware prefetcher kept this
+VM at half the rate). A query computes
 the scores of a whole block at once (a vector op over the block's keys, each score a
 sequential sum over head_dim), then max, exp and sum in key order, then the weighted
 V sum in key order. Every step depends only on the query and its request's keys, so
@@ -27,28 +30,28 @@ PARALLEL_MIN_WORK = 2048  # query-heads x keys below which one thread beats waki
 
 def _write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
     """Scatter the new K/V rows into a float32 cache. qkv: [num_tokens, q_size + 2 * kv_size]."""
-    num_kv, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_kv, head_dim, block_size = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
     for t in nb.prange(qkv.shape[0]):
         slot = slot_mapping[t]
         b = slot // block_size
         o = slot % block_size
         for h in range(num_kv):
             for d in range(head_dim):
-                k_cache[b, h, d, o] = qkv[t, q_size + h * head_dim + d]
-                v_cache[b, o, h, d] = qkv[t, q_size + kv_size + h * head_dim + d]
+                k_cache[h, b, d, o] = qkv[t, q_size + h * head_dim + d]
+                v_cache[h, b, o, d] = qkv[t, q_size + kv_size + h * head_dim + d]
 
 
 def _write_kv_f16(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
     """Scatter the new K/V rows into an fp16 cache (uint16 bits, nearest, ties to even)."""
-    num_kv, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_kv, head_dim, block_size = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
     for t in nb.prange(qkv.shape[0]):
         slot = slot_mapping[t]
         b = slot // block_size
         o = slot % block_size
         for h in range(num_kv):
             for d in range(head_dim):
-                k_cache[b, h, d, o] = f16_bits(qkv[t, q_size + h * head_dim + d])
-                v_cache[b, o, h, d] = f16_bits(qkv[t, q_size + kv_size + h * head_dim + d])
+                k_cache[h, b, d, o] = f16_bits(qkv[t, q_size + h * head_dim + d])
+                v_cache[h, b, o, d] = f16_bits(qkv[t, q_size + kv_size + h * head_dim + d])
 
 
 @nb.njit(cache=True, inline="always")
@@ -66,11 +69,11 @@ def _q8_block(src, start, values, scales, scale_at):
 
 
 def _write_kv_q8(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
-    """Scatter the new K/V rows into an int8 cache: k_cache = (values [blocks, kv, hd, bs] int8,
-    scales [blocks, kv, hd / 32, bs] float32), v_cache = (values [blocks, bs, kv, hd], scales [blocks, bs, kv, hd / 32])."""
+    """Scatter the new K/V rows into an int8 cache: k_cache = (values [kv, blocks, hd, bs] int8,
+    scales [kv, blocks, hd / 32, bs] float32), v_cache = (values [kv, blocks, bs, hd], scales [kv, blocks, bs, hd / 32])."""
     kq, ks = k_cache
     vq, vs = v_cache
-    num_kv, head_dim, block_size = kq.shape[1], kq.shape[2], kq.shape[3]
+    num_kv, head_dim, block_size = kq.shape[0], kq.shape[2], kq.shape[3]
     for t in nb.prange(qkv.shape[0]):
         slot = slot_mapping[t]
         b = slot // block_size
@@ -78,8 +81,8 @@ def _write_kv_q8(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
         row = qkv[t]
         for h in range(num_kv):
             for g in range(head_dim // 32):
-                _q8_block(row, q_size + h * head_dim + 32 * g, kq[b, h, 32 * g : 32 * g + 32, o], ks[b, h, :, o], g)
-                _q8_block(row, q_size + kv_size + h * head_dim + 32 * g, vq[b, o, h, 32 * g : 32 * g + 32], vs[b, o, h], g)
+                _q8_block(row, q_size + h * head_dim + 32 * g, kq[h, b, 32 * g : 32 * g + 32, o], ks[h, b, :, o], g)
+                _q8_block(row, q_size + kv_size + h * head_dim + 32 * g, vq[h, b, o, 32 * g : 32 * g + 32], vs[h, b, o], g)
 
 
 @nb.njit(cache=True, inline="always")
@@ -110,7 +113,7 @@ def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_h
     One work item = one request x one query head: all of the request's appended tokens
     (a verify run) share each K/V block while it is in cache.
     """
-    num_kv, head_dim, block_size = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_kv, head_dim, block_size = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv
     bs = np.uint64(block_size)
     hd = np.uint64(head_dim)
@@ -125,7 +128,7 @@ def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_h
         first_block = first_key(positions[t0] + 1, window) // block_size
         scores = np.empty((num_q, num_blocks * block_size), dtype=np.float32)  # [queries, keys]
         for i in range(first_block, num_blocks):  # scores, one K block at a time
-            k_blk = k_cache[block_tables[r, i], kvh]  # [head_dim, block_size]
+            k_blk = k_cache[kvh, block_tables[r, i]]  # [head_dim, block_size]
             for qi in range(num_q):
                 s = scores[qi, i * block_size : (i + 1) * block_size]
                 for o in range(bs):
@@ -137,14 +140,14 @@ def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_h
         inv = _softmax_rows(scores, positions, t0, num_q, scale, window)
         acc = np.zeros((num_q, head_dim), dtype=np.float32)
         for i in range(first_block, num_blocks):  # weighted V sum, one V block at a time, keys in order
-            v_blk = v_cache[block_tables[r, i]]  # [block_size, num_kv, head_dim]
+            v_blk = v_cache[kvh, block_tables[r, i]]  # [block_size, head_dim]
             for qi in range(num_q):
                 num_keys = positions[t0 + qi] + 1
                 lo = first_key(num_keys, window)
                 for o in range(max(0, lo - i * block_size), min(block_size, num_keys - i * block_size)):
                     p = scores[qi, i * block_size + o]
                     for d in range(hd):
-                        acc[qi, d] += p * v_blk[o, kvh, d]
+                        acc[qi, d] += p * v_blk[o, d]
         for qi in range(num_q):
             for d in range(head_dim):
                 out[t0 + qi, h * head_dim + d] = acc[qi, d] * inv[qi]

@@ -77,15 +77,15 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
     """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for the 16-key chunks
     from lo's to num_keys; up to 2 rows take two chunks of 16 at a time, so that several sums are in flight."""
     nb.literally(rows)
-    num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_blocks, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     span = hd if k_scale is None else 32  # dims per scale
     ld = scores.shape[1]
     chunks = (num_keys + 15) // 16
     c0 = lo // 16
     paired = rows <= 2  # 4 rows already keep 8 sums in flight; more would spill registers
     for c in range(c0, chunks - 1 if paired else c0, 2):
-        a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
-        b = (table[16 * (c + 1) // bs] * num_kv + kvh) * hd * bs + 16 * (c + 1) % bs
+        a = (kvh * num_blocks + table[16 * c // bs]) * hd * bs + 16 * c % bs
+        b = (kvh * num_blocks + table[16 * (c + 1) // bs]) * hd * bs + 16 * (c + 1) % bs
         sa = f32_zero(rows)
         sb = f32_zero(rows)
         for d0 in range(0, hd, span):
@@ -100,7 +100,7 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
         store_rows(scores, 16 * c, ld, sa, 16)
         store_rows(scores, 16 * c + 16, ld, sb, 16)
     for c in range(chunks - (chunks - c0) % 2 if paired else c0, chunks):
-        a = (table[16 * c // bs] * num_kv + kvh) * hd * bs + 16 * c % bs
+        a = (kvh * num_blocks + table[16 * c // bs]) * hd * bs + 16 * c % bs
         sa = f32_zero(rows)
         for d0 in range(0, hd, span):
             pa = f32_zero(rows)
@@ -112,7 +112,7 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
 
 @nb.njit(cache=True, inline="always")
 def _scale_index(a, d0, hd, bs):
-    """Flat index in k_scale [blocks, kv, hd / 32, bs] of dims d0..d0+31 of the keys at flat k_cache index a."""
+    """Flat index in k_scale [kv, blocks, hd / 32, bs] of dims d0..d0+31 of the keys at flat k_cache index a."""
     return a // (hd * bs) * (hd // 32 * bs) + d0 // 32 * bs + a % (hd * bs)
 
 
@@ -139,18 +139,18 @@ def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, 
     key's scale of these dims in an int8 cache); resume=False starts the sums from zero. Up to 2 rows
     take two chunks of 16 dims at a time."""
     nb.literally(rows)
-    bs, num_kv, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
+    num_blocks, bs, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     ld = scores.shape[1]
     step = 32 if hd % 32 == 0 and rows <= 2 else 16
     for c in range(0, hd, step):
         acc = load_rows(out, o0 + c, ostride, rows) if resume else f32_zero(rows)
         acc2 = load_rows(out, o0 + c + 16, ostride, rows) if resume and step == 32 else f32_zero(rows)
         for i in range(k0 // bs, (k1 + bs - 1) // bs):
-            base = (table[i] * bs * num_kv + kvh) * hd + c
+            base = (kvh * num_blocks + table[i]) * bs * hd + c
             for j in range(max(k0, i * bs), min(k1, (i + 1) * bs)):
-                v = base + (j - i * bs) * num_kv * hd
+                v = base + (j - i * bs) * hd
                 p = tok_f32(scores, s0 + j, ld, rows)
-                if v_scale is not None:  # [blocks, bs, kv, hd / 32]: one scale per 32 dims, so per chunk
+                if v_scale is not None:  # [kv, blocks, bs, hd / 32]: one scale per 32 dims, so per chunk
                     p = f32_mul(p, f32_splat(v_scale[v // 32], rows))
                 acc = f32_fma(p, row_f32(v_cache, v), acc)
                 if step == 32:
@@ -219,7 +219,7 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
     float32 or fp16 array, or an int8 cache's (values, scales) pair (see cache_parts). See the module docstring."""
     k_cache, k_scale = cache_parts(k_entry)
     v_cache, v_scale = cache_parts(v_entry)
-    num_kv, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_kv, hd, bs = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv
     qs, os_ = qkv.shape[1], out.shape[1]
     num_reqs = cu_q.shape[0] - 1

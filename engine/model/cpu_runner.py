@@ -132,10 +132,10 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self._compile_layers()
 
     def _alloc_kv(self, cfg: ModelConfig, cache: CacheConfig) -> tuple:
-        """(K, V) caches of every layer: arrays [layers, blocks, kv, hd, bs] and [layers, blocks, bs, kv, hd],
+        """(K, V) caches of every layer: arrays [layers, kv, blocks, hd, bs] and [layers, kv, blocks, bs, hd],
         or for int8 (values, scales) pairs, the scales with hd / 32 in place of hd (a layer's entry: `_layer_kv`)."""
-        k_shape = (cfg.num_layers, cache.num_blocks, cfg.num_kv_heads, cfg.head_dim, cache.block_size)
-        v_shape = (cfg.num_layers, cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+        k_shape = (cfg.num_layers, cfg.num_kv_heads, cache.num_blocks, cfg.head_dim, cache.block_size)
+        v_shape = (cfg.num_layers, cfg.num_kv_heads, cache.num_blocks, cache.block_size, cfg.head_dim)
         if self.kv_cache_dtype != "int8":
             dtype = np.uint16 if self.kv_cache_dtype == "float16" else np.float32
             return np.zeros(k_shape, dtype), np.zeros(v_shape, dtype)
