@@ -22,7 +22,7 @@ import numba as nb
 import numpy as np
 
 from engine.kernels.attention_vec import first_key, paged_attention_vec
-from engine.kernels.ops import _twice
+from engine.kernels.ops import _twice, q8_scale
 from engine.kernels.simd import f16_bits
 
 PARALLEL_MIN_WORK = 2048  # query-heads x keys below which one thread beats waking the pool
@@ -58,11 +58,7 @@ def _write_kv_f16(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
 def _q8_block(src, start, values, scales, scale_at):
     """Quantize src[start:start+32] as a q8_0 block (scale = max|x| / 127, q = round-half-even(x / scale),
     as the weight products quantize activations): the 32 int8 to values[0..31], the scale to scales[scale_at]."""
-    amax = np.float32(0.0)
-    for j in range(32):
-        amax = max(amax, abs(src[start + j]))
-    scale = amax / np.float32(127.0)
-    inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+    scale, inv = q8_scale(src, start)
     for j in range(32):
         values[j] = np.int8(min(max(np.rint(src[start + j] * inv), -127.0), 127.0))
     scales[scale_at] = scale

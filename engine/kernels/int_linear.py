@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.kernels import int_tiles
 from engine.kernels.int_pack import IntWeight
-from engine.kernels.ops import _pick, _twice
+from engine.kernels.ops import _pick, _twice, q8_scale
 from engine.kernels.simd import PATHS, specialize, specialize_family, store_rows
 
 TILES = {"q4_0": "legacy_tile", "q4_1": "legacy_tile", "q5_0": "legacy_tile", "q5_1": "legacy_tile",
@@ -56,17 +56,14 @@ def host_path() -> str:
 def _quantize_rows(x, xq, xd, xm, xs):
     """Per row and block of 32: xq = round(x / xd) with xd = max|x| / 127; xm = xd * sum(xq); xs = per-16 sums."""
     for t in nb.prange(x.shape[0]):
+        row, out = x[t], xq[t]
         for b in range(x.shape[1] // 32):
-            amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, 32 * b + j]))
-            scale = amax / np.float32(127.0)
-            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+            scale, inv = q8_scale(row, 32 * b)
             for h in range(2):
                 total = 0
                 for j in range(32 * b + 16 * h, 32 * b + 16 * h + 16):
-                    q = np.int32(np.rint(x[t, j] * inv))
-                    xq[t, j] = q
+                    q = np.int32(np.rint(row[j] * inv))
+                    out[j] = q
                     total += q
                 xs[t, 2 * b + h] = total
             xd[t, b] = scale

@@ -37,6 +37,17 @@ def _pick(pair, num_rows: int):
     return pair[1] if num_rows >= PARALLEL_MIN_ROWS else pair[0]
 
 
+@nb.njit(cache=True, inline="always")
+def q8_scale(x, start):
+    """The q8 block scale of x[start:start+32], as llama.cpp's q8_0 / q8_1 take it: (max|x| / 127, its
+    inverse, 0 for an all-zero block). The block's values are then round-half-even(x * inverse)."""
+    amax = np.float32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(x[start + j]))
+    scale = amax / np.float32(127.0)
+    return scale, np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+
+
 def _rms_norm(x, weight, eps, out):
     # x, out: [num_tokens, hidden]; weight: [hidden]
     num_tokens, hidden = x.shape
