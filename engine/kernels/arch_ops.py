@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from engine.kernels.ops import _twice
+from engine.kernels.ops import _pick, _twice
 from engine.kernels.simd import f32_add, f32_mul, f32_sigmoid, f32_splat, row_f32, store_rows
 
 _TWO_SQRT_2_OVER_PI = np.float32(2 * 0.7978845608028654)
@@ -93,6 +93,11 @@ _GEGLU = _twice(_geglu)
 _add_bias_s, _add_bias_p = _twice(_add_bias)
 _head_norms_s, _head_norms_p = _twice(_head_norms)
 _norm_inplace_s, _norm_inplace_p = _twice(_norm_inplace)
+
+
+def rope_neox(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
+    """Rotate-half RoPE from Python (the draft heads' layer); see _rope_neox."""
+    _pick(_ROPE_NEOX, qkv.shape[0])(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim)
 
 
 @nb.njit(cache=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import gguf
+import numba as nb
 import numpy as np
 
 
@@ -49,3 +50,45 @@ def embed_rows(embed, token_ids: np.ndarray, out: np.ndarray) -> None:
     """out[i] = dequantized embedding row of token_ids[i]; out: [num_tokens, hidden]."""
     rows = np.asarray(embed.data)[token_ids]
     out[:] = gguf.quants.dequantize(rows, embed.tensor_type).reshape(out.shape)
+
+
+@nb.njit(cache=True)
+def _gather_q8_0(quants, scales, token_ids, out):
+    """out[i] = rows token_ids[i] of a Q8_0 table: quants [rows, blocks, 32] int8 times scales [rows, blocks]."""
+    for i in range(token_ids.shape[0]):
+        t = token_ids[i]
+        for b in range(quants.shape[1]):
+            d = scales[t, b]
+            for j in range(32):
+                out[i, 32 * b + j] = np.float32(quants[t, b, j]) * d
+
+
+class EmbeddingTable:
+    """Rows of a GGUF embedding tensor, dequantized on demand to exactly gguf's values.
+
+    Q8_0 (the usual type of a token_embd) is gathered by a compiled loop over its int8 values and
+    float32 scales (kept beside the file's bytes: 4 bytes per 32 weights); F32 / F16 rows are indexed;
+    any other type goes through gguf's dequantizer. (gguf's Python path cost ~50-250 us per call for
+    one or two rows, a share of a decode step.)
+    """
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+        data = np.asarray(tensor.data)
+        self.quants = self.scales = None
+        if self.kind == gguf.GGMLQuantizationType.Q8_0:
+            blocks = data.reshape(data.shape[0], -1, 34)  # [rows, blocks, fp16 d | 32 int8]
+            self.scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0].astype(np.float32)
+            self.quants = blocks[:, :, 2:].view(np.int8)  # a view of the file's bytes
+        self.data = data
+
+    def rows(self, token_ids: np.ndarray, out: np.ndarray) -> None:
+        """out[i] = dequantized row token_ids[i]; out: [num_tokens, hidden] float32."""
+        ids = np.asarray(token_ids, np.int64)
+        if self.quants is not None:
+            _gather_q8_0(self.quants, self.scales, ids, out)
+        elif self.kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            out[:] = self.data[ids]
+        else:
+            embed_rows(self.tensor, ids, out)

@@ -21,7 +21,7 @@ from engine.kernels import ops
 from engine.kernels.attention import vector_shapes
 from engine.kernels.int_linear import QuantRows, host_path
 from engine.kernels.linear import linear, pack_gguf_rows, pack_gguf_tensor
-from engine.kernels.weights import embed_rows
+from engine.kernels.weights import EmbeddingTable
 
 
 @dataclass(slots=True)
@@ -114,6 +114,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.numerics = weights_from.numerics if weights_from is not None else numerics
         if weights_from is not None:
             self.embed, self.final_norm, self.lm_head = weights_from.embed, weights_from.final_norm, weights_from.lm_head
+            self.embed_table = weights_from.embed_table
             self.layers = weights_from.layers[: cfg.num_layers]
         else:
             self._load_weights(model)
@@ -155,6 +156,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
     def _load_weights(self, model: GGUFModel) -> None:
         cfg, numerics = self.config, self.numerics
         self.embed = model.tensor("token_embd.weight")
+        self.embed_table = EmbeddingTable(self.embed)
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"blk.{i}."
@@ -234,7 +236,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             self.cache.block_size, self.req_of_token, self.positions, self.slot_mapping,
         )
         x, delta = self.x[:T], self.delta[:T]
-        embed_rows(self.embed, batch.token_ids[:T], x)
+        self.embed_table.rows(batch.token_ids[:T], x)
         if cfg.arch.embed_scale:
             x *= np.float32(np.sqrt(cfg.hidden_size))
         meta = (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,

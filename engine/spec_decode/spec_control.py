@@ -19,7 +19,10 @@ down the lookup drafts of the same request, nor a free lookup hide the cost of a
 source gets its own k; the request reserves the largest, and the proposer drafts from one source
 within that source's k. A new request's estimates start from the source's acceptance over recent
 requests (a slow EMA), not from a fixed guess, so a head that seldom pays on this server's traffic
-does not spend every new request's first steps finding that out again.
+does not spend every new request's first steps finding that out again. The choice of k weighs the
+request's estimate half against the source's: the request's EMA (weight 0.3 a step, ~3 outcomes)
+has a spread as large as a head's acceptance itself (a1 ~ 0.4), so on its own two misses in a row
+(one step in three) switched a paying head off, and its probes rarely brought it back.
 
 While a source's k is 0 a request probes it with one draft token every PROBE_EVERY steps, so it
 notices when acceptance recovers. A probe that does not bring drafting back doubles the wait
@@ -36,6 +39,7 @@ import numpy as np
 PROBE_EVERY = 8  # steps
 PROBE_MAX = 128  # steps
 PRIOR_WEIGHT = 0.05  # per drafting step of any request, in the per-source estimate new requests start from
+REQUEST_SHARE = 0.5  # weight of the request's own estimate against the source's, in the choice of k
 
 
 @dataclass(slots=True)
@@ -135,7 +139,12 @@ class DraftController:
     def _source_k(self, source: str, st: SourceStats, cap: int) -> int:
         if not self.adaptive:
             return cap
-        k = self.best_k(st.first, st.cont, cap, self.draft_cost.get(source, 0.0))
+        first, cont = st.first, st.cont
+        prior = self.prior.get(source)
+        if prior is not None:  # shrink the request's few, noisy outcomes toward the source's rate on this server
+            first = REQUEST_SHARE * first + (1 - REQUEST_SHARE) * prior.first
+            cont = REQUEST_SHARE * cont + (1 - REQUEST_SHARE) * prior.cont
+        k = self.best_k(first, cont, cap, self.draft_cost.get(source, 0.0))
         if k > 0:
             st.probe_interval = 0
             return k

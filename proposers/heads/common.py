@@ -4,13 +4,14 @@ draft LM head, per-request token/feature state, and picking a draft token from d
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
 from engine.kernels.linear import pack_gguf_tensor
-from engine.kernels.weights import embed_rows
+from engine.kernels.weights import EmbeddingTable
 from proposers.base import DraftRequest, Drafts, Proposer, TargetModel
 from proposers.draft_sampling import pick_tokens  # noqa: F401  (re-exported for the head proposers)
 from proposers.heads.head_file import HeadFile, load_head
@@ -100,6 +101,7 @@ class HeadProposer(Proposer):
             raise ValueError(f"speculative_config.model: {path} is a {self.head.kind} head, not {self.head_kind}")
         self.draft_vocab = self.head.tensors["draft_vocab"]  # [V_d]
         self.embed = target.model.tensor("token_embd.weight")
+        self.embed_table = getattr(target.runner, "embed_table", None) or EmbeddingTable(self.embed)
         head_tensor = self.embed if cfg.tied_embeddings else target.model.tensor("output.weight")
         self.numerics = target.numerics  # the head's products use the target's kernels
         self.lm_head = pack_gguf_tensor(gather_rows(head_tensor, self.draft_vocab), self.numerics)  # own format
@@ -111,7 +113,7 @@ class HeadProposer(Proposer):
 
     def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         out = np.empty((len(token_ids), self.hidden_size), np.float32)  # [n, H]
-        embed_rows(self.embed, np.asarray(token_ids, np.int32), out)
+        self.embed_table.rows(token_ids, out)
         return out
 
     def draft_logits(self, z: np.ndarray) -> np.ndarray:
@@ -136,12 +138,16 @@ class HeadProposer(Proposer):
                 if (s := self.requests.get(a.request_id)) is not None and 0 < s.n_feat == s.num_tokens - 1]
 
     def propose(self, requests: list[DraftRequest]) -> Drafts:
+        """Drafts, and the seconds charged to the head: the call's time x `charged_fraction`."""
+        start = time.perf_counter()
         drafts = Drafts.empty(len(requests))
         drafts.probs = [None] * len(requests)
+        self.charged_fraction = 1.0  # the share of this call's time that drafting cost (see feature_head)
         live = self.ready(requests)
         if live:
             for i, (tokens, probs) in zip(live, self.draft([requests[i] for i in live])):
                 drafts.token_ids[i], drafts.probs[i] = tokens, probs
+        drafts.seconds = {self.draft_sources[0]: (time.perf_counter() - start) * self.charged_fraction}
         return drafts
 
     def draft(self, asks: list[DraftRequest]) -> list[tuple[np.ndarray, np.ndarray | None]]:

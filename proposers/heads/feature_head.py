@@ -5,6 +5,12 @@ module k = min(j - 1, M - 1) at row p* + max(0, j - M). Before that row, the mod
 up on the rows it has not computed (its history), so one batched call per step both extends each
 request's head KV with true rows and drafts. Rows whose inputs are all true are kept (`n_kv`);
 speculative rows are recomputed next time.
+
+The catch-up rows are owed per generated token whether the head drafts this step or a later one (a
+request's first draft catches up on its whole prompt), so the time a step reports for the draft
+controller (`charged_fraction`) is the share of its rows that drafting every step would run: the
+drafts plus one row of history per request. Charged in full, a catch-up made drafting look dearer
+than a plain step, so an adaptive head stopped drafting and each rare probe caught up again.
 """
 
 from __future__ import annotations
@@ -59,6 +65,14 @@ class FeatureHeadProposer(HeadProposer):
                                       self.numerics)
                         for i in range(cfg["num_modules"])]
         self.module_states: dict[str, list[ModuleState]] = {}
+        self._warm_up(cfg)
+
+    def _warm_up(self, cfg: dict) -> None:
+        """One throwaway row through every module: compiles (or loads) the head's kernels now, not
+        inside a request's first draft, where the time would also be charged to the head's cost."""
+        row = np.zeros((1, self.hidden_size), np.float32)
+        for module in self.modules:
+            module.head_input(module.forward(row, row, [(KVStore(cfg["num_kv_heads"], cfg["head_dim"]), 0, 0, 1)]))
 
     def stop_request(self, request_id) -> None:
         super().stop_request(request_id)
@@ -73,6 +87,7 @@ class FeatureHeadProposer(HeadProposer):
         ext = [list(s.tokens[: s.num_tokens]) for s in states]  # tokens, then drafts as they come
         steps = [self.model_steps(a) for a in asks]
         probs: list[list] = [[] for _ in asks]
+        self.rows_run = 0
         M = len(self.modules)
         for j in range(1, max(steps) + 1):
             live = [r for r in range(len(asks)) if steps[r] >= j]
@@ -84,6 +99,7 @@ class FeatureHeadProposer(HeadProposer):
             for r, t, qr in zip(live, tokens, q):
                 ext[r].append(int(t))
                 probs[r].append(qr)
+        self.charged_fraction = min(1.0, (sum(steps) + len(asks)) / max(self.rows_run, 1))
         return [self._finish(s, e, p) for s, e, p in zip(states, ext, probs)]
 
     @staticmethod
@@ -110,6 +126,7 @@ class FeatureHeadProposer(HeadProposer):
             feats.append(self._features(k, s, m, rows))
             runs.append((ms.store, ms.done, s.feat_lo, len(rows)))
         z = self.modules[k].forward(np.concatenate(embs), np.concatenate(feats), runs)  # [sum rows, H]
+        self.rows_run += len(z)
         out, offset = [], 0
         for s, m, (_, first, _, n) in zip(states, mods, runs):
             ms = m[k]

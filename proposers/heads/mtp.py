@@ -72,7 +72,8 @@ class MtpProposer(FeatureHeadProposer):
             start = time.perf_counter()
             got = self._propose_from(source, [replace(requests[i], max_draft_tokens=requests[i].cap(source))
                                               for i in asks])
-            out.seconds[source] = time.perf_counter() - start
+            charged = self.charged_fraction if source == "mtp" else 1.0  # the modules' catch-up is not charged
+            out.seconds[source] = (time.perf_counter() - start) * charged
             for j, i in enumerate(asks):
                 if len(got.token_ids[j]):
                     out.token_ids[i] = got.token_ids[j].astype(np.int32)

@@ -1,0 +1,99 @@
+"""The draft heads' compiled pieces: the embedding gather equals gguf's dequantizer, the head's
+attention equals a float64 reference and is per row (alone = batched), and a head's first draft
+charges the draft controller only for its drafting rows, not for catching up on the prompt."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from engine.kernels.weights import EmbeddingTable, RawTensor
+from engine.model.gguf_loader import GGUFModel
+from proposers.base import DraftRequest
+from proposers.heads.head_attention import store_and_attend
+from proposers.heads.layer import KVStore
+from random_heads import write_random_head
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.F32, Q.F16, Q.Q4_1, Q.BF16])
+def test_embedding_rows_equal_ggufs_dequantizer(kind):
+    rng = np.random.default_rng(int(kind))
+    n, k = 40, 256
+    dense = rng.standard_normal((n, k)).astype(np.float32)
+    if kind == Q.F32:
+        data = dense
+    elif kind == Q.F16:
+        data = dense.astype(np.float16)
+    else:
+        data = gguf.quants.quantize(dense, kind)
+    table = EmbeddingTable(RawTensor("token_embd.weight", kind, (k, n), data))
+    ids = np.array([0, 39, 7, 7, 21], np.int32)
+    out = np.full((len(ids), k), np.nan, np.float32)
+    table.rows(ids, out)
+    want = gguf.quants.dequantize(data, kind).reshape(n, k).astype(np.float32)[ids]
+    np.testing.assert_array_equal(out, want)
+
+
+def reference_attention(q, keys, values, positions, lo, num_heads, num_kv):
+    """float64: row r (at positions[r]) over keys lo..positions[r]; q [m, heads, hd], keys/values [c, kv, hd]."""
+    m, _, hd = q.shape
+    out = np.zeros((m, num_heads, hd))
+    for r in range(m):
+        for h in range(num_heads):
+            kvh = h // (num_heads // num_kv)
+            s = keys[lo : positions[r] + 1, kvh].astype(np.float64) @ q[r, h].astype(np.float64) / np.sqrt(hd)
+            p = np.exp(s - s.max())
+            out[r, h] = p @ values[lo : positions[r] + 1, kvh] / p.sum()
+    return out.reshape(m, -1)
+
+
+def test_head_attention_equals_reference_and_each_row_stands_alone():
+    rng = np.random.default_rng(0)
+    nh, nkv, hd, p0, m, lo = 6, 2, 32, 9, 5, 3
+    cached = rng.standard_normal((2, p0, nkv, hd)).astype(np.float32)  # K, V of positions 0..p0-1
+    qkv = rng.standard_normal((m, (nh + 2 * nkv) * hd)).astype(np.float32)
+
+    def fresh_store():
+        store = KVStore(nkv, hd, capacity=4)
+        store.ensure(p0 + m)  # grown past its first capacity
+        store.k[:, :, :p0] = cached[0].transpose(1, 2, 0)
+        store.v[:p0] = cached[1]
+        return store
+
+    store = fresh_store()
+    out = np.zeros((m, nh * hd), np.float32)
+    store_and_attend(qkv, store.k, store.v, p0, lo, nh, np.float32(1 / np.sqrt(hd)), out)
+    keys = np.concatenate([cached[0], qkv[:, nh * hd : (nh + nkv) * hd].reshape(m, nkv, hd)])
+    values = np.concatenate([cached[1], qkv[:, (nh + nkv) * hd :].reshape(m, nkv, hd)])
+    np.testing.assert_array_equal(store.k[:, :, : p0 + m], keys.transpose(1, 2, 0))
+    np.testing.assert_array_equal(store.v[: p0 + m], values)
+    want = reference_attention(qkv[:, : nh * hd].reshape(m, nh, hd), keys, values, np.arange(p0, p0 + m), lo, nh, nkv)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    store = fresh_store()
+    for r in range(m):  # one row per call, as a request that appends a token a step
+        alone = np.zeros((1, nh * hd), np.float32)
+        store_and_attend(qkv[r : r + 1], store.k, store.v, p0 + r, lo, nh, np.float32(1 / np.sqrt(hd)), alone)
+        np.testing.assert_array_equal(alone[0], out[r])
+
+
+def test_first_draft_charges_the_drafting_rows_not_the_prompt_catch_up(tmp_path, model_path, runner):
+    from engine.spec_decode.spec_config import parse_speculative_config
+    from proposers.base import TargetModel
+    from proposers.heads.eagle import EagleProposer
+
+    model = GGUFModel(model_path)
+    head = write_random_head(tmp_path / "eagle", "eagle", model.config, num_modules=1)
+    proposer = EagleProposer(parse_speculative_config(f'{{"method": "eagle", "model": "{head}"}}'), model.config.vocab_size)
+    proposer.bind_target(TargetModel(model, runner, runner.cache, runner.numerics))
+    tokens = np.arange(100, 141, dtype=np.int32)  # a 40-token prompt and the target's first token
+    proposer.start_request("r", tokens)
+    proposer.observe_hidden("r", 0, np.zeros((40, model.config.hidden_size), np.float32))  # the prompt's features
+    drafts = proposer.propose([DraftRequest("r", tokens, 40, 2, 0.0, None)])
+    assert len(drafts.token_ids[0]) == 2
+    # the first draft step caught up on the 40 prompt rows, the second ran one row: of those 41 rows,
+    # drafting every step would have run 3 (two drafts and one row of history)
+    assert proposer.charged_fraction == pytest.approx(3 / 41)
+    assert set(drafts.seconds) == {"eagle"} and drafts.seconds["eagle"] > 0
