@@ -208,6 +208,13 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
         run_verify(logits, [1], [99])
     with pytest.raises(ValueError, match="top_p"):
         run_verify(logits, [1], [1], top_p=0.0)
+    for bad in (-0.5, np.nan, np.inf):
+        with pytest.raises(ValueError, match="temperature"):
+            run_verify(logits, [1], [1], temperature=bad)
+    with pytest.raises(ValueError, match="top_k"):
+        run_verify(logits, [1], [1], top_k=-1)
+    with pytest.raises(ValueError, match="strategy"):
+        run_verify(logits, [1], [1], strategy=REJECTION + 1)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [
