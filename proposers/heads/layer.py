@@ -3,7 +3,7 @@
 Weight products go through the engine's strip kernels (`engine.kernels.linear`), norms, RoPE and the
 gated activation through its row kernels, attention through a compiled per-row kernel
 (head_attention): a row's result never depends on which other rows share the batch, so drafts of a
-request are the same alone or batched. (A NumPy chain of ~40 small calls per layer cost more than
+request are the same alone or batched. (A NumPy chain of ~40 small calls per layer cost almost as much as
 the head's weight products: ~0.8 ms of a ~2.3 ms draft step on the 2-core machine.)
 Head matrices are packed as Q8_0 (default; a quarter of the bytes of float32) or float32; Q8_0 ones
 use the target's numerics (integer products under the default "int8").
