@@ -13,11 +13,27 @@ FLAT_COST = np.ones(10)  # verifying T tokens costs one plain step
 HYBRID = ("ngram", "mtp")
 
 
+RECORD = 1e9  # outcomes behind make_seq's estimates: the request's own record outweighs any prior
+CPU_CURVE = np.array([0.0, 1.0, 1.14, 1.24, 1.35, 1.5])  # verify cost measured on the 2-core CPU
+HEAD_COST = 0.13  # an eagle draft token there, in plain steps
+
+
 def make_seq(**first: float) -> Sequence:
-    """A request whose sources start with the given first-draft acceptance estimates."""
+    """A request whose sources have a long record at the given first-draft acceptance rates."""
     seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=10_000), capacity=16)
-    seq.draft_stats = {name: SourceStats(first=value) for name, value in first.items()}
+    seq.draft_stats = {name: SourceStats(first=value, weight=RECORD, cont_weight=RECORD) for name, value in first.items()}
     return seq
+
+
+def drafting_steps(ctl: DraftController, seq: Sequence, hits: list[bool], source: str = "eagle") -> int:
+    """Steps (one per entry of `hits`) on which `source` drafted; a draft passes where hits says so."""
+    count = 0
+    for hit in hits:
+        ctl.start_step()
+        k = ctl.room(None, seq.draft_stats, 10_000, (source,))[source]
+        ctl.record(seq.draft_stats, source if k else None, k, int(hit and k > 0))
+        count += k > 0
+    return count
 
 
 def run_steps(ctl: DraftController, seq: Sequence, num_steps: int, source: str = "ngram") -> list[int]:
@@ -91,6 +107,9 @@ def test_a_weak_source_does_not_cost_the_strong_one_its_drafts():
     """Hybrid: the head's rejected drafts lower only the head's estimate; the lookup keeps drafting."""
     curve = np.array([0.0, 1.0, 1.3, 1.6, 1.9, 2.2])  # a verify curve shaped like the CPU's
     ctl = DraftController(max_k=4, step_budget=0, verify_cost=curve)
+    earlier = make_seq(mtp=0.5)
+    for _ in range(60):  # on this server the head's drafts have seldom passed
+        ctl.record(earlier.draft_stats, "mtp", 2, 0)
     seq = make_seq()
     for step in range(40):
         caps = ctl.room(None, seq.draft_stats, 10_000, HYBRID)
@@ -139,3 +158,21 @@ def test_a_new_request_starts_from_what_the_source_did_for_earlier_ones():
     assert ctl.room(None, fresh.draft_stats, 10_000, ("eagle",)) == {"eagle": 0}  # does not pay: plain from step 1
     assert fresh.draft_stats["eagle"].first == ctl.prior["eagle"].first
     assert ctl.room(None, make_seq().draft_stats, 10_000, ("ngram",))["ngram"] > 0  # other sources keep 0.5
+
+
+def test_a_head_that_pays_keeps_drafting_through_runs_of_misses():
+    """A head whose first draft passes 40% of the time (it pays from ~27%) drafts on most steps,
+    through the runs of four or five misses that such a rate brings."""
+    ctl = DraftController(max_k=1, step_budget=0, verify_cost=CPU_CURVE[:3])
+    ctl.draft_cost["eagle"] = HEAD_COST
+    hits = (np.random.default_rng(0).random(400) < 0.4).tolist()
+    assert drafting_steps(ctl, make_seq(), hits) >= 320  # 351; a short EMA without the server's rate: 48
+
+
+def test_a_request_the_head_cannot_predict_seldom_drafts():
+    """The head pays on this server's other requests, but misses every draft of this one: it retries only
+    as the request's record fades toward the server's rate."""
+    ctl = DraftController(max_k=1, step_budget=0, verify_cost=CPU_CURVE[:3])
+    ctl.draft_cost["eagle"] = HEAD_COST
+    drafting_steps(ctl, make_seq(), [True, False] * 100)  # earlier requests: 50%
+    assert drafting_steps(ctl, make_seq(), [False] * 200) <= 60
