@@ -35,6 +35,8 @@ SIZES = {
     "context": (300, 64, "model: cached tokens under the verify curve"),
     "decode_tokens": (64, 8, "model: tokens per decode measurement"),
     "repeats": (7, 3, "model: forwards per verify-curve point (the median is kept)"),
+    "prefill_tokens": (500, 64, "model: prompt length of the prefill measurement"),
+    "long_context": (2000, 256, "model: cached tokens of the long decode step"),
     "max_tokens": (96, 8, "spec: output tokens per prompt"),
     "per_category": (3, 1, "spec and serve: prompts per category"),
     "concurrency": (4, 2, "spec: requests at once in the concurrent mode"),
@@ -102,7 +104,8 @@ def model_free_methods() -> list[str]:
 
 def run_model(args) -> dict:
     margs = model_bench.parse(["--model", args.model, "--context", str(args.context), "--threads", str(args.threads),
-                               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats)])
+                               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats),
+                               "--prefill-tokens", str(args.prefill_tokens), "--long-context", str(args.long_context)])
     return model_bench.run(margs, progress=True)
 
 

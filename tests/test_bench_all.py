@@ -40,6 +40,7 @@ def test_report_json_has_every_section(out):
     model, spec, serve = data["model"], data["spec"], data["serve"]
     assert [int(t) for t in model["verify_ms"]] == list(VERIFY_TS) and model["floor_ms"] > 0
     assert model["decode_tok_s_b1"] > 0 and model["context"] == QUICK["context"]
+    assert model["prefill_tokens"] == QUICK["prefill_tokens"] and model["long_context"] == QUICK["long_context"]
     rate = model["compute_rate"]
     assert rate["peak_gmacs"] > 0 and all(g > 0 for g in rate["products_gmacs"].values())
     assert list(spec["methods"]) == ["none", "ngram"] and list(spec["config"]["modes"]) == ["batch1", "concurrent"]
