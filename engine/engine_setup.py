@@ -120,6 +120,7 @@ def build_engine_parts(args) -> EngineParts:
         from proposers.registry import load_proposer_class
 
         proposer = load_proposer_class(spec.method)(spec, model.config.vocab_size)
+        proposer.check_target(model)
     runner = make_runner(model, cache, args)
     cache = runner.cache  # a GPU runner sizes num_blocks from free device memory
     blocks = BlockManager(cache.num_blocks, cache.block_size)

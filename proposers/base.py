@@ -145,8 +145,13 @@ class Proposer:
         """Validated options as a plain dict with canonical names and defaults filled in."""
         return msgspec.structs.asdict(cls.parse_options(options))
 
+    def check_target(self, model: Any) -> None:
+        """Called with the opened target GGUF (engine's GGUFModel) before its weights are packed: raise
+        ValueError naming the bad option (a head for another model, a draft with another vocabulary)
+        here, so a bad config fails in a second instead of after the target's load."""
+
     def bind_target(self, target: TargetModel) -> None:
-        """Called once before serving; model-based proposers load their weights here."""
+        """Called once before serving, after `check_target`; model-based proposers load their weights here."""
 
     def observe_hidden(self, request_id: str, start_position: int, hidden: np.ndarray) -> None:
         """Target features of positions start_position.. ([n, hidden] float32, a view valid only

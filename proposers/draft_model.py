@@ -29,8 +29,7 @@ class DraftModelOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _vocab(model) -> list:
-    field = model.reader.fields.get("tokenizer.ggml.tokens")
-    return list(field.contents()) if field is not None else []
+    return list(model.metadata.get("tokenizer.ggml.tokens", []))
 
 
 def check_same_vocabulary(draft, target) -> None:
@@ -62,21 +61,29 @@ class DraftModelProposer(Proposer):
             raise ValueError("speculative_config.model: give either a draft GGUF (`model`) or `draft_layers`")
         self.seqs: dict[str, DraftSeq] = {}
         self.rng = np.random.default_rng(0)
+        self.draft = None  # the draft GGUF (the target itself with draft_layers), opened by check_target
 
-    def bind_target(self, target: TargetModel) -> None:
-        from engine.core.block_manager import BlockManager
-        from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+    def check_target(self, model) -> None:
+        """Open the draft GGUF and check its vocabulary, or check draft_layers against the target's layers."""
         from engine.model.gguf_loader import GGUFModel
         from engine.model.model_files import resolve_model
 
         if self.options.draft_layers is not None:
-            draft, layers = target.model, self.options.draft_layers
-            if layers > draft.config.num_layers:
-                raise ValueError(f"speculative_config.draft_layers: {layers} exceeds the target's "
-                                 f"{draft.config.num_layers} layers")
+            if self.options.draft_layers > model.config.num_layers:
+                raise ValueError(f"speculative_config.draft_layers: {self.options.draft_layers} exceeds the "
+                                 f"target's {model.config.num_layers} layers")
+            self.draft = model
         else:
-            draft, layers = GGUFModel(resolve_model(self.options.model)), None
-            check_same_vocabulary(draft, target.model)
+            self.draft = GGUFModel(resolve_model(self.options.model))
+            check_same_vocabulary(self.draft, model)
+
+    def bind_target(self, target: TargetModel) -> None:
+        from engine.core.block_manager import BlockManager
+        from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+
+        if self.draft is None:
+            self.check_target(target.model)
+        draft, layers = self.draft, self.options.draft_layers
         tc = target.cache
         cfg = draft.config if layers is None else dataclasses.replace(draft.config, num_layers=layers)
         numerics = target.numerics  # the draft's products use the target's kernels

@@ -17,11 +17,12 @@ import subprocess
 import sys
 import zipfile
 
+import numpy as np
 import pytest
 
 from engine.cli import build_parser
 from engine.model import model_files
-from engine.model.gguf_metadata import read_gguf_metadata
+from engine.model.gguf_metadata import read_gguf, read_gguf_metadata
 from engine.model.model_files import KNOWN_MODELS, KnownModel, ModelNotAvailable, WheelPart, cli_fetch, resolve_model
 
 MODEL = KNOWN_MODELS["smollm2-135m"]
@@ -190,6 +191,45 @@ def test_metadata_reader_agrees_with_gguf_reader(model_path):
         expected = field.contents()
         assert ours[key] == pytest.approx(expected) if isinstance(expected, float) else ours[key] == expected, key
     assert len(ours) == len([k for k in reader.fields if not k.startswith("GGUF.")])
+
+
+def _assert_tensors_match_gguf_reader(path):
+    gguf = pytest.importorskip("gguf")
+    expected = gguf.GGUFReader(path).tensors
+    _, ours = read_gguf(path)
+    assert [t.name for t in ours] == [t.name for t in expected]
+    for mine, theirs in zip(ours, expected):
+        assert mine.tensor_type == theirs.tensor_type and mine.shape.tolist() == theirs.shape.tolist(), mine.name
+        assert (mine.n_elements, mine.n_bytes, mine.data_offset) == (theirs.n_elements, theirs.n_bytes, theirs.data_offset)
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape, mine.name
+        assert np.array_equal(mine.data, theirs.data), mine.name
+
+
+def test_tensor_reader_agrees_with_gguf_reader(model_path):
+    _assert_tensors_match_gguf_reader(model_path)
+
+
+def test_tensor_reader_agrees_with_gguf_reader_on_other_types_and_alignment(tmp_path):
+    """F16, K-quants, an integer tensor, a 3-D one, and a file aligned to 64 bytes instead of 32."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(0)
+    Q = gguf.GGMLQuantizationType
+    path = str(tmp_path / "types.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(64)
+    writer.add_tensor("f16", rng.standard_normal((3, 48)).astype(np.float16))
+    writer.add_tensor("i32", np.arange(10, dtype=np.int32))
+    writer.add_tensor("f32_3d", rng.standard_normal((2, 3, 5)).astype(np.float32))
+    writer.add_tensor("q8_0", gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), Q.Q8_0),
+                      raw_dtype=Q.Q8_0)
+    for kind in (Q.Q4_K, Q.Q6_K):  # random bytes: the readers only lay the blocks out
+        block_bytes = gguf.GGML_QUANT_SIZES[kind][1]
+        writer.add_tensor(kind.name.lower(), rng.integers(0, 256, (4, 2 * block_bytes), dtype=np.uint8), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _assert_tensors_match_gguf_reader(path)
 
 
 def test_cli_fetch_prints_the_path(model_path, capsys):

@@ -29,10 +29,10 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
 def write_first_layers(src, dst, num_layers: int):
     """A real draft GGUF: the source's first layers, final norm and head, tensors copied as they are."""
-    reader = gguf.GGUFReader(str(src))
-    cfg = GGUFModel(src).config
+    model = GGUFModel(src)
+    cfg = model.config
     writer = gguf.GGUFWriter(str(dst), "llama")
-    copy_tokenizer(writer, reader)
+    copy_tokenizer(writer, model.metadata)
     writer.add_name(f"{cfg.name} first {num_layers} layers")
     for add, value in ((writer.add_block_count, num_layers), (writer.add_embedding_length, cfg.hidden_size),
                        (writer.add_feed_forward_length, cfg.intermediate_size), (writer.add_head_count, cfg.num_heads),
@@ -40,7 +40,7 @@ def write_first_layers(src, dst, num_layers: int):
                        (writer.add_layer_norm_rms_eps, cfg.rms_eps), (writer.add_context_length, cfg.context_length),
                        (writer.add_vocab_size, cfg.vocab_size)):
         add(value)
-    for t in reader.tensors:
+    for t in model.tensors.values():
         if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= num_layers:
             continue
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
@@ -152,11 +152,17 @@ def test_bad_config_is_a_value_error_naming_the_field(config, field):
         build_engine_parts(engine_args(speculative_config=json.dumps(config)))
 
 
-def test_head_for_another_model_and_other_vocabulary_are_refused(heads, tmp_path, model_path):
+def test_head_for_another_model_and_other_vocabulary_are_refused(heads, tmp_path, model_path, monkeypatch):
+    """Refused before the target's weights are packed (`check_target`): a bad config fails in a second."""
+    from engine import engine_setup
     from engine.engine_setup import build_engine_parts
     from conftest import engine_args
     from tiny_models import write_tiny_llama
 
+    def no_runner(*args):
+        raise AssertionError("the target's runner was built before the proposer's config was checked")
+
+    monkeypatch.setattr(engine_setup, "make_runner", no_runner)
     tiny = write_tiny_llama(tmp_path / "tiny.gguf", model_path)
     bad_head = write_random_head(tmp_path / "wrong", "eagle", GGUFModel(tiny).config)
     with pytest.raises(ValueError, match=r"speculative_config\.model: head .* hidden_size=64"):

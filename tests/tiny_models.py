@@ -11,24 +11,26 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from engine.model.gguf_metadata import read_gguf_metadata
+
 _TOKENIZER_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
 
 
-def copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader, rename: dict[int, str] | None = None) -> int:
-    """Copy the tokenizer metadata (with some tokens renamed, to make a different vocabulary); returns its size."""
-    f = source.fields
-    writer.add_tokenizer_model(f["tokenizer.ggml.model"].contents())
-    writer.add_tokenizer_pre(f["tokenizer.ggml.pre"].contents())
-    writer.add_chat_template(f["tokenizer.chat_template"].contents())
-    tokens = list(f["tokenizer.ggml.tokens"].contents())
+def copy_tokenizer(writer: gguf.GGUFWriter, source: dict, rename: dict[int, str] | None = None) -> int:
+    """Copy the tokenizer metadata of `source` (a GGUF's metadata, read_gguf_metadata) to the writer, with some
+    tokens renamed to make a different vocabulary; returns its size."""
+    writer.add_tokenizer_model(source["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(source["tokenizer.ggml.pre"])
+    writer.add_chat_template(source["tokenizer.chat_template"])
+    tokens = list(source["tokenizer.ggml.tokens"])
     for i, text in (rename or {}).items():
         tokens[i] = text
     writer.add_token_list(tokens)
-    writer.add_token_types(f["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(f["tokenizer.ggml.merges"].contents())
+    writer.add_token_types(source["tokenizer.ggml.token_type"])
+    writer.add_token_merges(source["tokenizer.ggml.merges"])
     for key in _TOKENIZER_IDS:
-        writer.add_uint32(f"tokenizer.ggml.{key}", int(f[f"tokenizer.ggml.{key}"].contents()))
-    writer.add_bool("tokenizer.ggml.add_bos_token", bool(f["tokenizer.ggml.add_bos_token"].contents()))
+        writer.add_uint32(f"tokenizer.ggml.{key}", int(source[f"tokenizer.ggml.{key}"]))
+    writer.add_bool("tokenizer.ggml.add_bos_token", bool(source["tokenizer.ggml.add_bos_token"]))
     return len(tokens)
 
 
@@ -42,7 +44,7 @@ def write_tiny_llama(path: Path, tokenizer_source: Path, seed: int = 0, layers: 
     """
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
-    vocab = copy_tokenizer(writer, gguf.GGUFReader(str(tokenizer_source)), rename)
+    vocab = copy_tokenizer(writer, read_gguf_metadata(tokenizer_source), rename)
     writer.add_name(f"tiny-llama-{seed}")
     writer.add_block_count(layers)
     writer.add_embedding_length(hidden)

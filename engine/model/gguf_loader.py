@@ -15,6 +15,7 @@ import gguf
 import numpy as np
 
 from engine.model.architectures import ARCHITECTURES, Architecture, architecture
+from engine.model.gguf_metadata import read_gguf
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -54,28 +55,28 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
+def _field(metadata: dict, key: str, default=None):
+    value = metadata.get(key)
+    if value is None:
         if default is None:
             raise ValueError(f"GGUF metadata is missing {key!r}")
         return default
-    return field.contents()
+    return value
 
 
 class GGUFModel:
-    """An opened GGUF file: `config`, `tensor(name)`, and the reader for the tokenizer."""
+    """An opened GGUF file: `config`, `tensor(name)`, and its key/value `metadata` (the tokenizer's too)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.reader = gguf.GGUFReader(str(self.path))
-        arch = str(_field(self.reader, "general.architecture"))
+        self.metadata, tensors = read_gguf(self.path)
+        arch = str(_field(self.metadata, "general.architecture"))
         architecture(arch, self.path.name)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in tensors}
         self.config = self._read_config(arch)
 
     def _read_config(self, arch: str) -> ModelConfig:
-        r = self.reader
+        r = self.metadata
         hidden = int(_field(r, f"{arch}.embedding_length"))
         num_heads = int(_field(r, f"{arch}.attention.head_count"))
         head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // num_heads))
@@ -113,7 +114,7 @@ class GGUFModel:
     def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
         """The sliding-window layers: the file's `sliding_window_pattern` (a period, or one flag per
         layer) where it has one, else the architecture's period."""
-        pattern = _field(self.reader, f"{decl.name}.attention.sliding_window_pattern", decl.swa_pattern)
+        pattern = _field(self.metadata, f"{decl.name}.attention.sliding_window_pattern", decl.swa_pattern)
         if isinstance(pattern, (list, tuple)):
             if len(pattern) != num_layers:
                 raise ValueError(f"{self.path.name}: sliding_window_pattern has {len(pattern)} flags "

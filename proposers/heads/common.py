@@ -87,8 +87,9 @@ class HeadProposer(Proposer):
         self.rng = np.random.default_rng(0)
         self.head: HeadFile | None = None
 
-    def bind_target(self, target: TargetModel) -> None:
-        cfg = target.model.config
+    def check_target(self, model) -> None:
+        """Find and open the head for this target (its file, kind and shape are checked here)."""
+        cfg = model.config
         path = self.options.model or find_shipped_head(self.head_kind, cfg.name, cfg.vocab_size, cfg.hidden_size,
                                                        cfg.num_layers)
         if path is None:
@@ -99,6 +100,11 @@ class HeadProposer(Proposer):
         self.head = load_head(path, cfg.hidden_size, cfg.vocab_size)
         if self.head.kind != self.head_kind:
             raise ValueError(f"speculative_config.model: {path} is a {self.head.kind} head, not {self.head_kind}")
+
+    def bind_target(self, target: TargetModel) -> None:
+        if self.head is None:
+            self.check_target(target.model)
+        cfg = target.model.config
         self.draft_vocab = self.head.tensors["draft_vocab"]  # [V_d]
         self.embed = target.model.tensor("token_embd.weight")
         self.embed_table = getattr(target.runner, "embed_table", None) or EmbeddingTable(self.embed)
