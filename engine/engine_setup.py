@@ -113,7 +113,7 @@ def build_engine_parts(args) -> EngineParts:
         spec = parse_speculative_config(args.speculative_config)
     path = resolve_model(args.model)
     model = GGUFModel(path)
-    tokenizer = Tokenizer.from_gguf(path)
+    tokenizer = Tokenizer.from_gguf(path, model.metadata)
     cache = cache_config(args, model)
     proposer, max_k, budget = None, 0, 0
     if spec is not None:  # options are checked before the (slow) weight packing

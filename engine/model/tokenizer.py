@@ -133,8 +133,9 @@ class Tokenizer:
         self.stop_token_ids |= set(vocab.extra_stop_ids)
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        meta = read_gguf_metadata(path)
+    def from_gguf(cls, path: str | os.PathLike, metadata: dict | None = None) -> Tokenizer:
+        """The tokenizer a GGUF declares (`metadata`: the file's, if already read)."""
+        meta = read_gguf_metadata(path) if metadata is None else metadata
         model = meta.get("tokenizer.ggml.model")
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
