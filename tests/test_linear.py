@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as Q
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
 from engine.kernels import linear_jit, linear_quant
 from engine.kernels.linear import TILE_MIN_TOKENS, PackedWeight, linear, pack_f32, pack_gguf_tensor
+from engine.model.gguf_loader import GGUFModel
 
 # name: (GGUF type, n, k) with n never a multiple of 16, so every tensor has padded strip rows
 SPECS = {
@@ -184,7 +185,7 @@ class _FakeTensor:
 
 def test_real_model_tensors_match_gguf(model_path):
     """A Q4_1 layer and the Q8_0 token embedding (the tied LM head) of the default model."""
-    tensors = {t.name: t for t in gguf.GGUFReader(model_path).tensors}
+    tensors = GGUFModel(model_path).tensors
     rng = np.random.default_rng(6)
     for name, kind in (("blk.0.ffn_down.weight", "q4_1"), ("token_embd.weight", "q8_0")):
         t = tensors[name]

@@ -97,9 +97,10 @@ class HeadProposer(Proposer):
                 f"speculative_config.model: no {self.head_kind} head ships for {cfg.name!r}; "
                 f"train one with `speculant train-head --kind {self.head_kind}` and pass its path"
             )
-        self.head = load_head(path, cfg.hidden_size, cfg.vocab_size)
-        if self.head.kind != self.head_kind:
-            raise ValueError(f"speculative_config.model: {path} is a {self.head.kind} head, not {self.head_kind}")
+        head = load_head(path, cfg.hidden_size, cfg.vocab_size)
+        if head.kind != self.head_kind:
+            raise ValueError(f"speculative_config.model: {path} is a {head.kind} head, not {self.head_kind}")
+        self.head = head
 
     def bind_target(self, target: TargetModel) -> None:
         if self.head is None:
