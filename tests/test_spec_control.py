@@ -156,7 +156,7 @@ def test_a_new_request_starts_from_what_the_source_did_for_earlier_ones():
     assert ctl.prior["eagle"].first == pytest.approx(0.5 * (1 - PRIOR_WEIGHT) ** 60)
     fresh = make_seq()
     assert ctl.room(None, fresh.draft_stats, 10_000, ("eagle",)) == {"eagle": 0}  # does not pay: plain from step 1
-    assert fresh.draft_stats["eagle"].first == ctl.prior["eagle"].first
+    assert ctl.estimate("eagle", fresh.draft_stats["eagle"]) == (ctl.prior["eagle"].first, ctl.prior["eagle"].cont)
     assert ctl.room(None, make_seq().draft_stats, 10_000, ("ngram",))["ngram"] > 0  # other sources keep 0.5
 
 

@@ -136,17 +136,13 @@ class DraftController:
             return {}
         for s in sources:
             if s not in stats:
-                stats[s] = self._fresh(s)
+                stats[s] = SourceStats()  # no outcomes yet: `estimate` is the source's rate
         caps = {s: self._source_k(s, stats[s], cap) for s in sources}
         if self.step_budget:
             k = min(max(caps.values()), self.left)
             self.left -= k
             caps = {s: min(c, k) for s, c in caps.items()}
         return caps
-
-    def _fresh(self, source: str) -> SourceStats:
-        prior = self.prior.get(source)
-        return SourceStats() if prior is None else SourceStats(first=prior.first, cont=prior.cont)
 
     def estimate(self, source: str, st: SourceStats) -> tuple[float, float]:
         """(first, cont) for the choice of k: the request's own outcomes shrunk toward the source's rate."""
