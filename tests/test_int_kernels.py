@@ -108,7 +108,7 @@ def test_every_isa_path_gives_the_portable_paths_bits(tensors, name):
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_rows_are_bit_identical_whatever_the_batch(tensors, name):
-    """Row t depends only on x[t]: any T (tiles of 4, 2, 1), any position, any neighbours."""
+    """Row t depends only on x[t]: any T (tiles of 8 on avx512, 4, 2, 1), any position, any neighbours."""
     w = pack_gguf_tensor(tensors[name], "int8")
     rng = np.random.default_rng(3)
     pool = rng.standard_normal((24, w.k)).astype(np.float32)
@@ -166,21 +166,23 @@ from engine.kernels.int_pack import pack_int
 from engine.kernels.weights import RawTensor
 w = pack_int(RawTensor("w", gguf.GGMLQuantizationType.{qtype}, (256, 16), {data}))
 xq = (np.zeros((4, 256), np.int8), np.zeros((4, 8), np.float32), np.zeros((4, 8), np.float32), np.zeros((4, 16), np.int32))
-k = int_linear.kernel("{fmt}", "vnni")
+k = int_linear.kernel("{fmt}", "{path}")
 k.compile((numba.typeof(w.arrays), numba.typeof(xq), numba.typeof(np.zeros((4, 16), np.float32)), numba.int64, numba.int64))
-print("vpdpbusd" in k.inspect_asm(k.signatures[0]))
+print(any("vpdpbusd" in line and "{register}" in line for line in k.inspect_asm(k.signatures[0]).splitlines()))
 """
 
 
-@pytest.mark.parametrize("cpu", ["icelake-server", "alderlake"])  # AVX-512 VNNI (+VL); AVX-VNNI without AVX-512
+# AVX-512 VNNI (+VL): both paths, avx512 on zmm registers; AVX-VNNI without AVX-512: the 256-bit one
+@pytest.mark.parametrize("cpu,path,register", [("icelake-server", "avx512", "zmm"), ("icelake-server", "vnni", "ymm"),
+                                               ("alderlake", "vnni", "ymm")])
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_vnni_path_compiles_to_vpdpbusd(fmt, cpu, tmp_path):
+def test_vnni_paths_compile_to_vpdpbusd(fmt, cpu, path, register, tmp_path):
     """Compile only, nothing runs (this CPU may lack VNNI): LLVM targets that CPU in a subprocess.
     Where the CPU has VNNI, test_every_isa_path_gives_the_portable_paths_bits runs it."""
     qtype, block = (("Q4_1", "gguf.quants.quantize(np.ones((16, 256), np.float32), gguf.GGMLQuantizationType.Q4_1)")
                     if fmt == "q4_1" else
                     ("Q8_0", "gguf.quants.quantize(np.ones((16, 256), np.float32), gguf.GGMLQuantizationType.Q8_0)"))
-    code = "import numba\n" + VNNI_PROBE.format(qtype=qtype, data=block, fmt=fmt)
+    code = "import numba\n" + VNNI_PROBE.format(qtype=qtype, data=block, fmt=fmt, path=path, register=register)
     # NUMBA_CPU_FEATURES="" lets the CPU name imply its features (else Numba passes this host's)
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", NUMBA_CACHE_DIR=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

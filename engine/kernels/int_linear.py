@@ -28,13 +28,15 @@ TILES = {"q4_0": "legacy_tile", "q4_1": "legacy_tile", "q5_0": "legacy_tile", "q
 _TILE_FUNCTIONS = {name: getattr(int_tiles, name) for name in
                    ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "legacy_tile", "q8_0_tile", "kquant_tile", "q6_k_tile")}
 _kernels: dict = {}
+EIGHT_TOKEN_PATHS = ("avx512",)  # 32 vector registers of 16 lanes hold a tile of 8 tokens
 _lock = threading.Lock()
 _scratch = threading.local()
 
 
 def _path_ok(features: dict) -> dict:
     has = lambda *names: all(features.get(n, False) for n in names)  # noqa: E731
-    return {"vnni": has("avxvnni") or has("avx512vnni", "avx512vl"), "avx2": has("avx2"), "portable": True}
+    return {"avx512": has("avx512vnni", "avx512vl", "avx512bw"), "vnni": has("avxvnni") or has("avx512vnni", "avx512vl"),
+            "avx2": has("avx2"), "portable": True}
 
 
 @functools.cache
@@ -76,7 +78,8 @@ _QUANTIZE = _twice(_quantize_rows)
 def _gemm(w, x, out, col0, n):
     """out[:, col0:col0+n] = x @ W.T for every strip (prange) and token tile; `_tile` is bound per format.
 
-    Tiles of 4 tokens, then 2, then 1: odd vector widths (3 x 16 lanes) compile to slow code.
+    Tiles of 8 tokens (`EIGHT`: paths with 32 vector registers), 4, then 2, then 1: odd vector widths
+    (3 x 16 lanes) compile to slow code.
     """
     num_tokens = x[0].shape[0]
     stride = out.shape[1]
@@ -84,6 +87,10 @@ def _gemm(w, x, out, col0, n):
         rows = min(16, n - 16 * s)
         o = col0 + 16 * s
         t0 = 0
+        if EIGHT:
+            while num_tokens - t0 >= 8:
+                store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 8), rows)  # noqa: F821
+                t0 += 8
         while num_tokens - t0 >= 4:
             store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 4), rows)  # noqa: F821
             t0 += 4
@@ -105,7 +112,7 @@ def kernel(fmt: str, path: str):
     with _lock:
         if key not in _kernels:
             family = specialize_family(_TILE_FUNCTIONS, path, _traits(fmt), tag=fmt)
-            _kernels[key] = specialize(_gemm, path, {"_tile": family[TILES[fmt]]}, tag=fmt)
+            _kernels[key] = specialize(_gemm, path, {"_tile": family[TILES[fmt]], "EIGHT": path in EIGHT_TOKEN_PATHS}, tag=fmt)
         return _kernels[key]
 
 

@@ -18,7 +18,7 @@ Each block also asks for the weight lines AHEAD blocks further on (software pref
 products wait on memory, and the hardware prefetcher alone kept this VM's two cores at ~14 GB/s.
 """
 
-from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8 are bound per path by specialize)
+from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound per path by specialize)
     bits_at,
     bits_put,
     f32_add,
@@ -113,7 +113,9 @@ def q8_0_tile(w, x, s, t0, tt):
         isum = i32_zero(tt)
         for g in range(8):
             isum = dot_s8(isum, wbytes(qs, (s * nb + b) * 512 + 64 * g), xbcast(xq, t0 * k + b * 32 + 4 * g, k, tt))  # noqa: F821
-        f = f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, t0 * nb + b, nb, tt)), f32_from_i32(isum)))
+        xi = t0 * nb + b
+        isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt)))  # noqa: F821
+        f = f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
     return f
 
 

@@ -8,8 +8,9 @@ computed it. Values for TT tokens are one vector of TT x 16 lanes (token-major);
 compile-time literal, and each op unrolls its work over the tokens as it generates code.
 
 Kernels are written once against these ops and compiled per path (`specialize`):
-  vnni      256-bit vpdpbusd (AVX-512 VNNI + VL, or AVX-VNNI): LLVM tunes Intel server cores to 256-bit
-            vectors and cannot lower the 512-bit form there; two 256-bit ones do the same work
+  avx512    512-bit vpdpbusd (AVX-512 VNNI): one instruction per 4-dot of 16 lanes, and the kernels'
+            16-lane float vectors in one zmm register each (simd_paths._wide_registers)
+  vnni      two 256-bit vpdpbusd (AVX-VNNI, or AVX-512 VNNI + VL)
   avx2      vpmaddubsw into 16-bit pair sums, widened by vpmaddwd (AVX2)
   portable  plain LLVM vector IR, lowered by LLVM for whatever CPU runs it
 Integer sums are identical on every path, and the float ops (fmul, fadd, fsub, never contracted, no

@@ -15,7 +15,7 @@ from engine.kernels.simd_ir import (
     _intrinsic,
 )
 
-PATHS = ("vnni", "avx2", "portable")
+PATHS = ("avx512", "vnni", "avx2", "portable")
 
 
 # ---------------------------------------------------------------- the 4-dots, per path
@@ -44,8 +44,25 @@ def _avx2_widen(builder, v16):
     return _concat(builder, [_call(builder, "llvm.x86.avx2.pmadd.wd", ty, [h, ones]) for h in _split(builder, v16, 2)])
 
 
-def _vnni(builder, acc, w, x):
-    """acc [16 x i32] + 4-dots of unsigned w with signed x: two 256-bit vpdpbusd."""
+def _wide_registers(builder):
+    """Let LLVM keep this function's 512-bit vectors whole (zmm registers).
+
+    LLVM tunes Intel server cores to prefer 256-bit vectors and then cannot select a 512-bit
+    intrinsic; the function attribute clang sets for 512-bit intrinsics lifts that, for this
+    function only. llvmlite's attribute set accepts known names only, so it is added past its check.
+    """
+    set.add(builder.function.attributes, '"min-legal-vector-width"="512"')
+
+
+def _vnni512(builder, acc, w, x):
+    """acc [16 x i32] + 4-dots of unsigned w with signed x: one 512-bit vpdpbusd (AVX-512 VNNI)."""
+    _wide_registers(builder)
+    ty = _i32(1).llvm()
+    return _call(builder, "llvm.x86.avx512.vpdpbusd.512", ty, [acc, builder.bitcast(w, ty), builder.bitcast(x, ty)])
+
+
+def _vnni256(builder, acc, w, x):
+    """acc [16 x i32] + 4-dots of unsigned w with signed x: two 256-bit vpdpbusd (AVX-VNNI or AVX-512 VL)."""
     ty = _i32(1).llvm()
     half = ir.VectorType(_I32, 8)
     pieces = [_call(builder, "llvm.x86.avx512.vpdpbusd.256", half,
@@ -54,12 +71,15 @@ def _vnni(builder, acc, w, x):
     return builder.bitcast(_concat(builder, pieces), ty)
 
 
+_VNNI = {"avx512": _vnni512, "vnni": _vnni256}
+
+
 def _add_u8(path, builder, acc, w, x):
     """One token: acc (path's accumulator piece) + 4-dots of unsigned w with signed x."""
     if path == "avx2":
         return builder.add(acc, _avx2_maddubs(builder, w, x))
-    if path == "vnni":
-        return _vnni(builder, acc, w, x)
+    if path in _VNNI:
+        return _VNNI[path](builder, acc, w, x)
     return builder.add(acc, _dot4_generic(builder, w, x, signed_w=False))
 
 
@@ -71,11 +91,8 @@ def _add_s8(path, builder, acc, w, x):
         signed = _concat(builder, [_call(builder, "llvm.x86.avx2.psign.b", ty, [xh, wh])
                                    for xh, wh in zip(_split(builder, x, 2), _split(builder, w, 2))])
         return builder.add(acc, _avx2_widen(builder, _avx2_maddubs(builder, absw, signed)))
-    if path == "vnni":  # (w + 128) x x, minus 128 x (x's 4-sum): two vpdpbusd
-        ty = w.type
-        xsum = _vnni(builder, ir.Constant(_i32(1).llvm(), [0] * LANES), ir.Constant(ty, [1] * 64), x)
-        biased = _vnni(builder, acc, builder.xor(w, ir.Constant(ty, [0x80] * 64)), x)
-        return builder.sub(biased, builder.shl(xsum, ir.Constant(_i32(1).llvm(), [7] * LANES)))
+    if path in _VNNI:  # (w + 128) x x; dot_s8_done takes 128 x the activations' sum off once per block
+        return _VNNI[path](builder, acc, builder.xor(w, ir.Constant(w.type, [0x80] * 64)), x)
     return builder.add(acc, _dot4_generic(builder, w, x, signed_w=True))
 
 
@@ -119,10 +136,22 @@ def _make_path_ops(path: str) -> dict:
 
         return _i32(n)(acc), codegen
 
-    dot_s8 = _per_token_dot(_add_s8, path, LANES,
-                            "acc (i32) + 4-dots of signed weight bytes w with each token's activations x.")
+    dot_s8 = _per_token_dot(_add_s8, path, LANES, "acc (i32) + 4-dots of signed weight bytes w with each token's "
+                            "activations x (exact once a block's sums pass dot_s8_done).")
 
-    return {"acc_zero": acc_zero, "acc_add": acc_add, "acc_i32": acc_i32, "dot_s8": dot_s8}
+    @_intrinsic
+    def dot_s8_done(typingctx, acc, xsum):
+        """A block's dot_s8 sums made exact: on the VNNI paths, minus 128 x xsum (each token's activation
+        sum over the block, i32 per lane) for the weights' bias; elsewhere unchanged."""
+
+        def codegen(context, builder, sig, args):
+            if path not in _VNNI:
+                return args[0]
+            return builder.sub(args[0], builder.shl(args[1], ir.Constant(args[1].type, [7] * args[1].type.count)))
+
+        return acc(acc, xsum), codegen
+
+    return {"acc_zero": acc_zero, "acc_add": acc_add, "acc_i32": acc_i32, "dot_s8": dot_s8, "dot_s8_done": dot_s8_done}
 
 
 PATH_OPS = {path: _make_path_ops(path) for path in PATHS}
