@@ -87,7 +87,7 @@ def _gemm(w, x, out, col0, n):
         rows = min(16, n - 16 * s)
         o = col0 + 16 * s
         t0 = 0
-        if EIGHT:
+        if EIGHT:  # noqa: F821  (bound per path by specialize)
             while num_tokens - t0 >= 8:
                 store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 8), rows)  # noqa: F821
                 t0 += 8
