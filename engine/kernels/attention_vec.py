@@ -44,6 +44,7 @@ from engine.kernels.simd import (
     row_f32,
     store_rows,
     tok_f32,
+    wide_registers,
 )
 
 TOKENS_PER_ITEM = 4
@@ -76,6 +77,7 @@ def _scaled(part, acc, k_scale, sidx):
 def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, scores):
     """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for the 16-key chunks
     from lo's to num_keys; up to 2 rows take two chunks of 16 at a time, so that several sums are in flight."""
+    wide_registers()
     nb.literally(rows)
     num_blocks, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     span = hd if k_scale is None else 32  # dims per scale
@@ -120,6 +122,7 @@ def _scale_index(a, d0, hd, bs):
 def _softmax(scores, r, lo, num_keys, scale):
     """scores[r, lo:num_keys] = exp(s * scale - max) in place (zero before lo in its 16-key chunk);
     returns 1 / their sum."""
+    wide_registers()
     top = np.float32(-np.inf)
     for c in range(lo - lo % 16, num_keys, 16):
         s = f32_keep(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), num_keys - c, -np.inf)
@@ -138,6 +141,7 @@ def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, 
     """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key], times the
     key's scale of these dims in an int8 cache); resume=False starts the sums from zero. Up to 2 rows
     take two chunks of 16 dims at a time."""
+    wide_registers()
     nb.literally(rows)
     num_blocks, bs, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     ld = scores.shape[1]

@@ -20,7 +20,8 @@ import numpy as np
 
 from engine.kernels import int_tiles
 from engine.kernels.int_pack import IntWeight
-from engine.kernels.ops import _pick, _twice, q8_scale
+from engine.kernels.ops import _pick, _twice
+from engine.kernels.simd_quant import abs_max16, round_store16
 from engine.kernels.simd import PATHS, specialize, specialize_family, store_rows
 
 TILES = {"q4_0": "legacy_tile", "q4_1": "legacy_tile", "q5_0": "legacy_tile", "q5_1": "legacy_tile",
@@ -60,16 +61,12 @@ def _quantize_rows(x, xq, xd, xm, xs):
     for t in nb.prange(x.shape[0]):
         row, out = x[t], xq[t]
         for b in range(x.shape[1] // 32):
-            scale, inv = q8_scale(row, 32 * b)
-            for h in range(2):
-                total = 0
-                for j in range(32 * b + 16 * h, 32 * b + 16 * h + 16):
-                    q = np.int32(np.rint(row[j] * inv))
-                    out[j] = q
-                    total += q
-                xs[t, 2 * b + h] = total
+            scale = max(abs_max16(row, 32 * b), abs_max16(row, 32 * b + 16)) / np.float32(127.0)  # as ops.q8_scale
+            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
+            low, high = round_store16(row, 32 * b, inv, out), round_store16(row, 32 * b + 16, inv, out)
+            xs[t, 2 * b], xs[t, 2 * b + 1] = low, high
             xd[t, b] = scale
-            xm[t, b] = scale * np.float32(xs[t, 2 * b] + xs[t, 2 * b + 1])
+            xm[t, b] = scale * np.float32(low + high)
 
 
 _QUANTIZE = _twice(_quantize_rows)

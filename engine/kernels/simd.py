@@ -32,7 +32,7 @@ from engine.kernels.simd_ir import (  # noqa: F401  (LANES: part of this module'
     Vec, LANES, _I8, _I16, _I32, _F32, _u8, _i32, _f32, _tokens, _literal, _addr, _splat, _split,
     _call, _index, _int_arg, _per_token, _repeat, _intrinsic, _exp_ir,
 )
-from engine.kernels.simd_paths import PATH_OPS, PATHS, specialize, specialize_family  # noqa: F401
+from engine.kernels.simd_paths import PATH_OPS, PATHS, specialize, specialize_family, wide_registers  # noqa: F401
 
 # ---------------------------------------------------------------- loads and stores (every path)
 
