@@ -1,7 +1,7 @@
 """The CPU's peak integer rate for the kernels' 4-dot, and the rate the model's weight products reach.
 
 peak      every thread runs a loop of independent 4-dots (`acc_add` of the host's path: vpmaddubsw
-          + vpaddw on avx2, vpdpbusd on vnni) on L1-resident bytes: nothing but the instruction
+          + vpaddw on avx2, 256-bit vpdpbusd on vnni, 512-bit on avx512) on L1-resident bytes: nothing but the instruction
           the integer products are built on, so its rate bounds theirs.
 reached   the whole model's weight products (every layer's q|k|v, o, gate|up, down and the LM head),
           activations quantized as in a forward, on T rows.
