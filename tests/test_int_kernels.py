@@ -132,6 +132,11 @@ def test_quantized_rows_match_numpy():
     np.testing.assert_array_equal(xd, scale)
     np.testing.assert_array_equal(xs, q.reshape(5, 6, 16).sum(axis=2))
     np.testing.assert_array_equal(xm, scale * q.sum(axis=2).astype(np.float32))
+    # rows that are not contiguous in memory (every other column, or a Fortran-ordered array) quantize the same
+    wide = np.repeat(x, 2, axis=1)
+    for view in (wide[:, ::2], np.asfortranarray(x)):
+        for got, want in zip(int_linear.quantize(view), (xq, xd, xm, xs)):
+            np.testing.assert_array_equal(got, want)
 
 
 def test_mixed_formats_stacked_by_rows_equal_the_separate_products(tensors):

@@ -129,7 +129,7 @@ class QuantRows:
         """(xq, xd, xm, xs) for x [T, k] (views, valid until the next call)."""
         t = x.shape[0]
         views = (self.xq[:t], self.xd[:t], self.xm[:t], self.xs[:t])
-        _pick(_QUANTIZE, t)(x, *views)
+        _pick(_QUANTIZE, t)(np.ascontiguousarray(x), *views)  # the vector loads read rows as flat memory
         return views
 
 
