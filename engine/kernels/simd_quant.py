@@ -9,17 +9,11 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 
-from engine.kernels.simd_ir import LANES, _F32, _I8, _I32, _addr, _call, _int_arg, _intrinsic, _split, _splat
+from engine.kernels.simd import _reduce
+from engine.kernels.simd_ir import LANES, _F32, _I8, _I32, _addr, _call, _int_arg, _intrinsic, _splat
 
 _VF32 = ir.VectorType(_F32, LANES)
 _VI32 = ir.VectorType(_I32, LANES)
-
-
-def _fold(builder, v, combine):
-    while v.type.count > 1:
-        a, b = _split(builder, v, 2)
-        v = combine(a, b)
-    return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
 @_intrinsic
@@ -29,7 +23,7 @@ def abs_max16(typingctx, arr, idx):
     def codegen(context, builder, sig, args):
         v = builder.load(_addr(context, builder, sig.args[0], args[0], _int_arg(builder, args[1]), _VF32), align=4)
         a = _call(builder, "llvm.fabs.v16f32", _VF32, [v])
-        return _fold(builder, a, lambda x, y: builder.select(builder.fcmp_ordered(">", x, y), x, y))
+        return _reduce(builder, a, lambda b, x, y: b.select(b.fcmp_ordered(">", x, y), x, y))
 
     return types.float32(arr, idx), codegen
 
@@ -45,6 +39,6 @@ def round_store16(typingctx, src, idx, inv, dst):
         q = builder.fptosi(_call(builder, "llvm.roundeven.v16f32", _VF32, [scaled]), _VI32)
         builder.store(builder.trunc(q, ir.VectorType(_I8, LANES)),
                       _addr(context, builder, sig.args[3], args[3], i, ir.VectorType(_I8, LANES)), align=1)
-        return _fold(builder, q, builder.add)
+        return _reduce(builder, q, lambda b, x, y: b.add(x, y))
 
     return types.int32(src, idx, inv, dst), codegen
