@@ -17,7 +17,7 @@ import types
 import numba as nb
 import numpy as np
 
-from engine.kernels.simd import f32_mul, f32_sigmoid, row_f32, store_rows
+from engine.kernels.simd import f32_add, f32_hsum, f32_mul, f32_sigmoid, f32_zero, row_f32, store_rows
 
 PARALLEL_MIN_ROWS = 8
 
@@ -48,13 +48,27 @@ def q8_scale(x, start):
     return scale, np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
 
 
+@nb.njit(cache=True, inline="always")
+def sum_squares(row, n):
+    """Sum of row[i]^2 for i < n, in a fixed order: 16 lane sums over the 16-value chunks in turn (each
+    square and sum rounded to float32), folded by simd.f32_hsum's tree, then the n % 16 tail in order.
+    A sequential sum waits 4 cycles per value on the previous add: 1.1 us per row of 576."""
+    body = n - n % 16
+    lanes = f32_zero(1)
+    for i in range(0, body, 16):
+        v = row_f32(row, i)
+        lanes = f32_add(lanes, f32_mul(v, v))
+    acc = f32_hsum(lanes)
+    for i in range(body, n):
+        acc += row[i] * row[i]
+    return acc
+
+
 def _rms_norm(x, weight, eps, out):
     # x, out: [num_tokens, hidden]; weight: [hidden]
     num_tokens, hidden = x.shape
     for t in nb.prange(num_tokens):
-        acc = np.float32(0.0)
-        for i in range(hidden):
-            acc += x[t, i] * x[t, i]
+        acc = sum_squares(x[t], hidden)
         inv = np.float32(1.0) / np.sqrt(acc / np.float32(hidden) + np.float32(eps))
         for i in range(hidden):
             out[t, i] = x[t, i] * inv * weight[i]
@@ -64,11 +78,9 @@ def _add_rms_norm(x, delta, weight, eps, out):
     """x += delta (the residual stream), then out = rms_norm(x)."""
     num_tokens, hidden = x.shape
     for t in nb.prange(num_tokens):
-        acc = np.float32(0.0)
         for i in range(hidden):
-            v = x[t, i] + delta[t, i]
-            x[t, i] = v
-            acc += v * v
+            x[t, i] += delta[t, i]
+        acc = sum_squares(x[t], hidden)
         inv = np.float32(1.0) / np.sqrt(acc / np.float32(hidden) + np.float32(eps))
         for i in range(hidden):
             out[t, i] = x[t, i] * inv * weight[i]
@@ -123,10 +135,13 @@ _SWIGLU = _twice(_swiglu)
 
 
 def rms_norm(x, weight, eps, out):
+    x = np.ascontiguousarray(x)  # the vector loads read a row as flat memory
     _pick(_RMS_NORM, x.shape[0])(x, weight, np.float32(eps), out)
 
 
 def add_rms_norm(x, delta, weight, eps, out):
+    if not x.flags.c_contiguous:
+        raise ValueError("add_rms_norm updates x in place and reads its rows as flat memory: x must be C-contiguous")
     _pick(_ADD_RMS_NORM, x.shape[0])(x, delta, weight, np.float32(eps), out)
 
 
