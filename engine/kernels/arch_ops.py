@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from engine.kernels.ops import _pick, _twice
+from engine.kernels.ops import _pick, _twice, sum_squares
 from engine.kernels.simd import f32_add, f32_mul, f32_sigmoid, f32_splat, row_f32, store_rows
 
 _TWO_SQRT_2_OVER_PI = np.float32(2 * 0.7978845608028654)
@@ -67,9 +67,7 @@ def _head_norms(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
     for t in nb.prange(qkv.shape[0]):
         for h in range(num_heads + num_kv_heads):
             base = h * head_dim
-            acc = np.float32(0.0)
-            for i in range(head_dim):
-                acc += qkv[t, base + i] * qkv[t, base + i]
+            acc = sum_squares(qkv[t, base : base + head_dim], head_dim)  # the order of every RMSNorm (ops)
             inv = np.float32(1.0) / np.sqrt(acc / np.float32(head_dim) + eps)
             for i in range(head_dim):
                 w = q_weight[i] if h < num_heads else k_weight[i]
@@ -79,9 +77,7 @@ def _head_norms(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
 def _norm_inplace(x, weight, eps):
     """x = rms_norm(x) * weight, row by row. x: [num_tokens, hidden]."""
     for t in nb.prange(x.shape[0]):
-        acc = np.float32(0.0)
-        for i in range(x.shape[1]):
-            acc += x[t, i] * x[t, i]
+        acc = sum_squares(x[t], x.shape[1])
         inv = np.float32(1.0) / np.sqrt(acc / np.float32(x.shape[1]) + eps)
         for i in range(x.shape[1]):
             x[t, i] = x[t, i] * inv * weight[i]
