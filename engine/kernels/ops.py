@@ -18,6 +18,7 @@ import numba as nb
 import numpy as np
 
 from engine.kernels.simd import f32_add, f32_hsum, f32_mul, f32_sigmoid, f32_zero, row_f32, store_rows
+from engine.kernels.simd_rope import rotate_pairs16
 
 PARALLEL_MIN_ROWS = 8
 
@@ -99,11 +100,15 @@ def _rope_adjacent(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; cos/sin: [max_pos, rope_dim // 2].
     """
     half = rope_dim // 2
+    body = rope_dim - rope_dim % 16  # 8 pairs at a time (simd_rope), then the rest one pair at a time
     for t in nb.prange(qkv.shape[0]):
         p = positions[t]
+        row, cos_p, sin_p = qkv[t], cos[p], sin[p]
         for h in range(num_rot_heads):
             base = h * head_dim
-            for i in range(half):
+            for j in range(0, body, 16):
+                store_rows(row, base + j, 0, rotate_pairs16(row, base + j, cos_p, sin_p, j // 2), 16)
+            for i in range(body // 2, half):
                 c = cos[p, i]
                 s = sin[p, i]
                 a = qkv[t, base + 2 * i]
@@ -150,6 +155,8 @@ def add_inplace(x, delta):
 
 
 def rope_adjacent(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim):
+    if not (qkv.flags.c_contiguous and cos.flags.c_contiguous and sin.flags.c_contiguous):
+        raise ValueError("rope_adjacent rotates qkv in place with vector loads: qkv, cos and sin must be C-contiguous")
     _pick(_ROPE, qkv.shape[0])(qkv, positions, cos, sin, num_rot_heads, head_dim, rope_dim)
 
 
