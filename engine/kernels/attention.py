@@ -21,6 +21,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from engine.kernels.attention_split import decode_attention, splits
 from engine.kernels.attention_vec import first_key, paged_attention_vec
 from engine.kernels.ops import _twice, q8_scale
 from engine.kernels.simd import f16_bits
@@ -175,7 +176,11 @@ def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_he
     num_tokens = qkv.shape[0]
     work = num_tokens * num_heads * (int(positions.max()) + 1) if num_tokens else 0
     values = k_cache[0] if isinstance(k_cache, tuple) else k_cache
-    if vector_shapes(values.shape[2], values.shape[3]):
+    vector = vector_shapes(values.shape[2], values.shape[3])
+    if vector and num_tokens and splits(num_tokens, cu_q, int(positions.max()) + 1, num_heads, values.shape[0]):
+        decode_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out)
+        return
+    if vector:
         pair = _ATTENTION_VEC
     elif k_cache.dtype == np.uint16:
         raise ValueError("an fp16 KV cache needs head_dim and block_size to be multiples of 16")

@@ -149,16 +149,17 @@ def _softmax(scores, r, lo, num_keys, scale):
 
 
 @nb.njit(cache=True)
-def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume):
+def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, d0, d1):
     """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key], times the
-    key's scale of these dims in an int8 cache); resume=False starts the sums from zero. Up to
-    PAIRED_ROWS_FLOAT rows take two chunks of 16 dims at a time (each dim's sum is its own)."""
+    key's scale of these dims in an int8 cache), for dims d0..d1-1 (multiples of 32 where hd is, else of
+    16); resume=False starts the sums from zero. Up to PAIRED_ROWS_FLOAT rows take two chunks of 16 dims
+    at a time (each dim's sum is its own)."""
     wide_registers()
     nb.literally(rows)
     num_blocks, bs, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     ld = scores.shape[1]
     step = 32 if hd % 32 == 0 and rows <= PAIRED_ROWS_FLOAT else 16
-    for c in range(0, hd, step):
+    for c in range(d0, d1, step):
         acc = load_rows(out, o0 + c, ostride, rows) if resume else f32_zero(rows)
         acc2 = load_rows(out, o0 + c + 16, ostride, rows) if resume and step == 32 else f32_zero(rows)
         for i in range(k0 // bs, (k1 + bs - 1) // bs):
@@ -195,11 +196,11 @@ def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostri
         inv[r] = _softmax(scores, r, lo, keys0 + r * inc, scale)
         for j in range(lo0, lo - lo % 16):  # keys the tile's first row sees and this row does not
             scores[r, j] = np.float32(0.0)
-    _values(v_cache, v_scale, table, kvh, lo0, keys0, scores, 0, out, o0, ostride, rows, False)
+    _values(v_cache, v_scale, table, kvh, lo0, keys0, scores, 0, out, o0, ostride, rows, False, 0, hd)
     for r in range(1, rows):  # the later tokens' extra keys, each row alone
         if inc:
             _values(v_cache, v_scale, table, kvh, keys0, keys0 + r * inc, scores, r * scores.shape[1], out,
-                    o0 + r * ostride, ostride, 1, True)
+                    o0 + r * ostride, ostride, 1, True, 0, hd)
     for r in range(rows):
         for c in range(0, hd, 16):
             store_rows(out, o0 + r * ostride + c, 0, f32_mul(load_rows(out, o0 + r * ostride + c, 0, 1), f32_splat(inv[r], 1)), 16)

@@ -20,7 +20,7 @@ import functools
 
 import numba as nb
 
-from engine.kernels import arch_ops, attention, int_linear, linear_jit, linear_quant, ops
+from engine.kernels import arch_ops, attention, attention_split, int_linear, linear_jit, linear_quant, ops
 from engine.kernels.simd import specialize
 
 PARALLEL_MIN_ROWS = ops.PARALLEL_MIN_ROWS
@@ -123,7 +123,9 @@ def _layer(num, first, bufs, w, meta):
         _write_p(q, k_cache, v_cache, slots[:num], num_heads * head_dim, num_kv * head_dim)  # noqa: F821
     else:
         _write_s(q, k_cache, v_cache, slots[:num], num_heads * head_dim, num_kv * head_dim)  # noqa: F821
-    if num * num_heads * (pos.max() + 1) >= PARALLEL_MIN_WORK:
+    if _splits(num, cu_q, pos.max() + 1, num_heads, num_kv):  # noqa: F821  (a long decode batch)
+        _attend_split(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
+    elif num * num_heads * (pos.max() + 1) >= PARALLEL_MIN_WORK:
         _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
     else:
         _attend_s(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
@@ -171,6 +173,8 @@ def layer(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arc
     attend = attention._ATTENTION_VEC if vector_attention else attention._ATTENTION
     bind = {name: product(key, path) for name, key in zip(("_qkv", "_o", "_gu", "_down"), products)}
     bind.update(_write_s=write[0], _write_p=write[1], _attend_s=attend[0], _attend_p=attend[1],
+                _attend_split=attention_split.decode_attention,
+                _splits=attention_split.splits if vector_attention else attention_split.never,
                 _rms_s=ops._RMS_NORM[0], _rms_p=ops._RMS_NORM[1], _add_rms_s=ops._ADD_RMS_NORM[0],
                 _add_rms_p=ops._ADD_RMS_NORM[1], **_arch_parts(arch))
     tag = ("__".join("_".join(k) for k in products) + "_" + kv_dtype + ("_vec" if vector_attention else "")

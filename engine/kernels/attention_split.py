@@ -1,0 +1,129 @@
+"""Decode attention over long contexts: each KV head's keys and values read once, split evenly.
+
+In a decode batch (one query token per request) every query head of a KV group sees the same keys.
+attention_vec's items split a group's heads in two (so that two threads share three KV heads evenly),
+so each half converts and reads the group's K and V again. Here a step runs in three phases, each
+split evenly over the threads:
+  scores   per request, KV head and half of its keys: the group's heads as one tile of `rows` rows
+           (the group padded to 1, 2, 4 or 8; the padding rows are computed and never used)
+  softmax  per query head (the padding rows set to zero)
+  values   per request, KV head and half of head_dim: the group's heads as one tile
+Per query each phase runs attention_vec's own functions over the same keys in the same order, so a
+query gets the bits attention_vec gives it; only who computes which part differs.
+
+Measured: see SPLIT_MIN_KEYS.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from engine.kernels.attention_vec import _scores, _softmax, _values, cache_parts, first_key
+from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
+
+# Keys (of the longest request) from which a decode batch takes this path: three phases cost two more
+# wake-ups of the threads than one. Measured on the Xeon (avx512, 2 threads), one request, SmolLM2's 30
+# layers, tiles -> split: fp16 cache 0.46 -> 0.56 ms at 300 keys, 0.69 -> 0.75 at 512, 1.19 -> 1.13 at
+# 1,000, 2.38 -> 2.04 at 2,000 (46 MB of K/V in 2.04 ms: 22.5 GB/s, this VM's read bandwidth); int8
+# cache 1.94 -> 1.83 ms at 2,000.
+SPLIT_MIN_KEYS = 1024
+
+
+@nb.njit(cache=True)
+def splits(num_tokens, cu_q, num_keys, num_heads, num_kv):
+    """Whether a batch takes this path: a decode batch (one token per request) whose longest request sees
+    SPLIT_MIN_KEYS keys or more, with up to 8 query heads per KV head, and the group's padding rows (read
+    as queries, never used) inside a qkv row ((heads + 2 kv) * head_dim)."""
+    group = num_heads // num_kv
+    rows = 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
+    return (num_tokens == cu_q.shape[0] - 1 and num_keys >= SPLIT_MIN_KEYS and group <= 8
+            and rows - group <= 2 * num_kv)
+
+
+@nb.njit(cache=True)
+def never(num_tokens, cu_q, num_keys, num_heads, num_kv):
+    """`splits` for a layer whose attention is not the vector kernel's."""
+    return False
+
+
+
+@nb.njit(cache=True, inline="always")
+def _group_scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, rows, scores):
+    """_scores with `rows` as a literal (1, 2, 4 or 8)."""
+    if rows == 1:
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 1, scores)
+    elif rows == 2:
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 2, scores)
+    elif rows == 4:
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 4, scores)
+    else:
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 8, scores)
+
+
+@nb.njit(cache=True, inline="always")
+def _group_values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, rows, d0, d1):
+    """_values with `rows` as a literal (1, 2, 4 or 8)."""
+    if rows == 1:
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, False, d0, d1)
+    elif rows == 2:
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 2, False, d0, d1)
+    elif rows == 4:
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 4, False, d0, d1)
+    else:
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 8, False, d0, d1)
+
+
+@nb.njit(cache=True, inline="always")
+def _dims(hd, half):
+    """Half `half` (0 or 1) of head_dim, cut at a multiple of 32 where hd is one (the values' step), else of 16."""
+    step = 32 if hd % 32 == 0 else 16
+    mid = hd // 2 // step * step
+    return (0, mid) if half == 0 else (mid, hd)
+
+
+@nb.njit(parallel=True, cache=True)
+def decode_attention(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out):
+    """attention_vec.paged_attention_vec's result for a decode batch (cu_q[r + 1] - cu_q[r] == 1 for every
+    r), for groups of up to 8 query heads per KV head. qkv [R, (heads + 2 kv) * hd], out [R, heads * hd]."""
+    k_cache, k_scale = cache_parts(k_entry)
+    v_cache, v_scale = cache_parts(v_entry)
+    num_kv, hd = k_cache.shape[0], k_cache.shape[2]
+    group = num_heads // num_kv
+    rows = 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
+    qs, os_ = qkv.shape[1], out.shape[1]
+    num_reqs = cu_q.shape[0] - 1
+    width = (positions[:num_reqs].max() + 16) // 16 * 16
+    scores = np.empty((num_reqs * num_kv * rows, width), np.float32)  # [request, kv head, tile row] x keys
+    vals = np.empty((num_reqs * num_kv * rows, hd), np.float32)  # the same rows x head_dim, before 1 / sum
+    inv = np.empty(num_reqs * num_kv * rows, np.float32)
+    for item in nb.prange(num_reqs * num_kv * 2):  # scores: half of a group's key chunks
+        r, kvh, half = item // (2 * num_kv), item // 2 % num_kv, item % 2
+        num_keys = positions[cu_q[r]] + 1
+        c0, chunks = first_key(num_keys, window) // 16, (num_keys + 15) // 16
+        mid = (c0 + chunks) // 2
+        a, b = (c0, mid) if half == 0 else (mid, chunks)
+        row0 = (r * num_kv + kvh) * rows
+        if a < b:
+            _group_scores(qkv, k_cache, k_scale, block_tables[r], cu_q[r] * qs + kvh * group * hd, hd, kvh,
+                          16 * a, min(num_keys, 16 * b), rows, scores[row0 : row0 + rows])
+    for item in nb.prange(num_reqs * num_kv * rows):  # softmax per query head; padding rows to zero
+        r, j = item // (num_kv * rows), item % rows
+        num_keys = positions[cu_q[r]] + 1
+        lo = first_key(num_keys, window)
+        if j < group:
+            inv[item] = _softmax(scores, item, lo, num_keys, scale)
+        else:
+            scores[item, lo - lo % 16 : (num_keys + 15) // 16 * 16] = 0.0
+    for item in nb.prange(num_reqs * num_kv * 2):  # values: half of head_dim for the group's heads
+        r, kvh, half = item // (2 * num_kv), item // 2 % num_kv, item % 2
+        num_keys = positions[cu_q[r]] + 1
+        d0, d1 = _dims(hd, half)
+        row0 = (r * num_kv + kvh) * rows
+        _group_values(v_cache, v_scale, block_tables[r], kvh, first_key(num_keys, window), num_keys, scores,
+                      row0 * width, vals, row0 * hd, hd, rows, d0, d1)
+        for j in range(group):
+            o = cu_q[r] * os_ + (kvh * group + j) * hd
+            for c in range(d0, d1, 16):
+                store_rows(out, o + c, 0, f32_mul(load_rows(vals, (row0 + j) * hd + c, 0, 1),
+                                                  f32_splat(inv[row0 + j], 1)), 16)
