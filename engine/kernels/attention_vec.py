@@ -5,10 +5,12 @@ dims of one key and head share a scale, kept in float32 beside the values; head_
 of 32). Work: a chunk of up to TOKENS_PER_ITEM (4, or 8 with AVX-512)
 consecutive tokens of one request x one KV head x one half of its group's query heads (so two
 threads share an odd number of KV heads evenly: decode attention at 2,000 tokens 117 -> 92 us
-per layer on SmolLM2's 3 KV heads). A tile is up to TOKENS_PER_ITEM query rows sharing every K and
-V load: the heads of the KV group for a single token, or one head of the chunk's tokens. Row r
-attends to keys lo_r .. keys0 + r * inc - 1 (inc = 0 for heads, 1 for consecutive tokens), where
-lo_r = 0, or, on a sliding-window layer of `window` keys, max(0, keys0 + r * inc - window).
+per layer on SmolLM2's 3 KV heads; decode batches from 1,024 keys: attention_split). A tile is up to
+TOKENS_PER_ITEM query rows sharing every K and V load: the heads of the KV group for a single token,
+the item's heads x the chunk's tokens where they fit one tile (a verify of 4 on 2 heads), or else one
+head of the chunk's tokens. Row r attends to keys lo_r .. n_r - 1, n_r = keys0 + (r % period) * inc
+(inc = 0 for heads; 1 for tokens, period = the chunk's tokens), where lo_r = 0, or, on a
+sliding-window layer of `window` keys, max(0, n_r - window).
 
 Per query, in a fixed order whatever the tile: each score is a sequential float32 sum of fused
 multiply-adds over head_dim (int8: over each 32 dims, then fused into the score times their scale); softmax takes exp(score * scale - max) (simd.f32_exp) and sums them
@@ -183,49 +185,80 @@ def first_key(num_keys, window):
     return max(0, num_keys - window) if window > 0 else 0
 
 
+@nb.njit(cache=True, inline="always")
+def _row_keys(keys0, inc, phase, period, r):
+    """Keys of tile row r: keys0 + ((phase + r) % period) * inc (row r is token (phase + r) % period of a run)."""
+    return keys0 + (phase + r) % period * inc
+
+
 @nb.njit(cache=True)
-def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, scale,
-          out, scores, inv, rows):
-    """One tile of `rows` (literal) query rows; row r sees keys first_key(n_r, window) .. n_r - 1, n_r = keys0 + r * inc."""
+def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostride, kvh, keys0, inc, phase, period,
+          window, scale, out, scores, inv, rows):
+    """One tile of `rows` (literal) query rows; row r sees keys first_key(n_r, window) .. n_r - 1, n_r = _row_keys(r)."""
     nb.literally(rows)
     hd = k_cache.shape[2]
-    lo0 = first_key(keys0, window)
-    _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo0, keys0 + (rows - 1) * inc, rows, scores)
+    k_min = k_max = _row_keys(keys0, inc, phase, period, 0)
+    for r in range(1, rows):
+        k_min = min(k_min, _row_keys(keys0, inc, phase, period, r))
+        k_max = max(k_max, _row_keys(keys0, inc, phase, period, r))
+    lo0 = first_key(k_min, window)
+    _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo0, k_max, rows, scores)
     for r in range(rows):
-        lo = first_key(keys0 + r * inc, window)
-        inv[r] = _softmax(scores, r, lo, keys0 + r * inc, scale)
+        n = _row_keys(keys0, inc, phase, period, r)
+        lo = first_key(n, window)
+        inv[r] = _softmax(scores, r, lo, n, scale)
         for j in range(lo0, lo - lo % 16):  # keys the tile's first row sees and this row does not
             scores[r, j] = np.float32(0.0)
-    _values(v_cache, v_scale, table, kvh, lo0, keys0, scores, 0, out, o0, ostride, rows, False, 0, hd)
-    for r in range(1, rows):  # the later tokens' extra keys, each row alone
-        if inc:
-            _values(v_cache, v_scale, table, kvh, keys0, keys0 + r * inc, scores, r * scores.shape[1], out,
-                    o0 + r * ostride, ostride, 1, True, 0, hd)
+    _values(v_cache, v_scale, table, kvh, lo0, k_min, scores, 0, out, o0, ostride, rows, False, 0, hd)
+    for r in range(rows):  # the later tokens' extra keys, each row alone
+        n = _row_keys(keys0, inc, phase, period, r)
+        if n > k_min:
+            _values(v_cache, v_scale, table, kvh, k_min, n, scores, r * scores.shape[1], out, o0 + r * ostride, ostride,
+                    1, True, 0, hd)
     for r in range(rows):
         for c in range(0, hd, 16):
             store_rows(out, o0 + r * ostride + c, 0, f32_mul(load_rows(out, o0 + r * ostride + c, 0, 1), f32_splat(inv[r], 1)), 16)
 
 
 @nb.njit(cache=True)
-def _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostride, kvh, keys0, inc, window, count,
-           scale, out, scores, inv):
-    """`count` rows in tiles of 8 (see TOKENS_PER_ITEM), 4, 2, 1."""
+def _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostride, kvh, keys0, inc, period, window,
+           count, scale, out, scores, inv):
+    """`count` rows in tiles of 8 (see TOKENS_PER_ITEM), 4, 2, 1; row r sees _row_keys(keys0, inc, 0, period, r)."""
     r = 0
     while TOKENS_PER_ITEM == 8 and count - r >= 8:
         _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
-              keys0 + r * inc, inc, window, scale, out, scores, inv, 8)
+              keys0, inc, r, period, window, scale, out, scores, inv, 8)
         r += 8
     while count - r >= 4:
         _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
-              keys0 + r * inc, inc, window, scale, out, scores, inv, 4)
+              keys0, inc, r, period, window, scale, out, scores, inv, 4)
         r += 4
     if count - r >= 2:
         _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
-              keys0 + r * inc, inc, window, scale, out, scores, inv, 2)
+              keys0, inc, r, period, window, scale, out, scores, inv, 2)
         r += 2
     if count - r == 1:
         _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
-              keys0 + r * inc, inc, window, scale, out, scores, inv, 1)
+              keys0, inc, r, period, window, scale, out, scores, inv, 1)
+
+
+@nb.njit(cache=True)
+def _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, num_heads, num_tokens, kvh, keys0, window,
+                     scale, out, scores, inv):
+    """Heads h0.. (num_heads of them) x tokens t0.. (num_tokens) as tiles of one run of rows, row i * num_tokens + t
+    for head h0 + i and token t0 + t (copied in and out, so that the rows are one stride apart): a verify of 4
+    on two heads fills a tile of 8 rows instead of two of 4."""
+    hd, rows = k_cache.shape[2], num_heads * num_tokens
+    q_rows = np.empty((rows, hd), np.float32)  # [head x token, head_dim]
+    o_rows = np.empty((rows, hd), np.float32)
+    for i in range(num_heads):
+        for t in range(num_tokens):
+            q_rows[i * num_tokens + t] = qkv[t0 + t, (h0 + i) * hd : (h0 + i + 1) * hd]
+    _tiles(q_rows, k_cache, v_cache, k_scale, v_scale, table, 0, hd, 0, hd, kvh, keys0, 1, num_tokens, window, rows,
+           scale, o_rows, scores, inv)
+    for i in range(num_heads):
+        for t in range(num_tokens):
+            out[t0 + t, (h0 + i) * hd : (h0 + i + 1) * hd] = o_rows[i * num_tokens + t]
 
 
 @nb.njit(cache=True, inline="always")
@@ -266,8 +299,11 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
         h0 = kvh * group + first
         if num_tokens == 1:  # the group's heads share the loads
             _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
-                   kvh, keys0, 0, window, last - first, scale, out, scores, inv)
+                   kvh, keys0, 0, 1, window, last - first, scale, out, scores, inv)
+        elif (last - first) * num_tokens <= TOKENS_PER_ITEM:  # the item's heads x the chunk's tokens share them
+            _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, last - first, num_tokens, kvh,
+                             keys0, window, scale, out, scores, inv)
         else:  # per head, the chunk's tokens share the loads
             for h in range(h0, kvh * group + last):
                 _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
-                       kvh, keys0, 1, window, num_tokens, scale, out, scores, inv)
+                       kvh, keys0, 1, num_tokens, window, num_tokens, scale, out, scores, inv)
