@@ -30,22 +30,26 @@ from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 SPLIT_MIN_KEYS = 1024
 
 
+@nb.njit(cache=True, inline="always")
+def _tile_rows(group):
+    """Rows of the tile that holds a KV group's query heads: the group padded to 1, 2, 4 or 8."""
+    return 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
+
+
 @nb.njit(cache=True)
 def splits(num_tokens, cu_q, num_keys, num_heads, num_kv):
     """Whether a batch takes this path: a decode batch (one token per request) whose longest request sees
     SPLIT_MIN_KEYS keys or more, with up to 8 query heads per KV head, and the group's padding rows (read
     as queries, never used) inside a qkv row ((heads + 2 kv) * head_dim)."""
     group = num_heads // num_kv
-    rows = 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
     return (num_tokens == cu_q.shape[0] - 1 and num_keys >= SPLIT_MIN_KEYS and group <= 8
-            and rows - group <= 2 * num_kv)
+            and _tile_rows(group) - group <= 2 * num_kv)
 
 
 @nb.njit(cache=True)
 def never(num_tokens, cu_q, num_keys, num_heads, num_kv):
     """`splits` for a layer whose attention is not the vector kernel's."""
     return False
-
 
 
 @nb.njit(cache=True, inline="always")
@@ -90,7 +94,7 @@ def decode_attention(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_h
     v_cache, v_scale = cache_parts(v_entry)
     num_kv, hd = k_cache.shape[0], k_cache.shape[2]
     group = num_heads // num_kv
-    rows = 1 if group == 1 else 2 if group == 2 else 4 if group <= 4 else 8
+    rows = _tile_rows(group)
     qs, os_ = qkv.shape[1], out.shape[1]
     num_reqs = cu_q.shape[0] - 1
     width = (positions[:num_reqs].max() + 16) // 16 * 16
