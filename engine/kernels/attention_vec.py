@@ -39,6 +39,7 @@ from engine.kernels.simd import (
     f32_hsum,
     f32_keep,
     f32_keep_from,
+    f32_max,
     f32_mul,
     f32_splat,
     f32_sub,
@@ -137,10 +138,11 @@ def _softmax(scores, r, lo, num_keys, scale):
     """scores[r, lo:num_keys] = exp(s * scale - max) in place (zero before lo in its 16-key chunk);
     returns 1 / their sum."""
     wide_registers()
-    top = np.float32(-np.inf)
+    tops = f32_splat(np.float32(-np.inf), 1)  # lane maxima, folded once
     for c in range(lo - lo % 16, num_keys, 16):
         s = f32_keep(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), num_keys - c, -np.inf)
-        top = max(top, f32_hmax(f32_keep_from(s, lo - c, -np.inf)))
+        tops = f32_max(tops, f32_keep_from(s, lo - c, -np.inf))
+    top = f32_hmax(tops)
     total = f32_zero(1)
     for c in range(lo - lo % 16, num_keys, 16):
         s = f32_sub(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), f32_splat(top, 1))

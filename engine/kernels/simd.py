@@ -312,11 +312,20 @@ def f32_hsum(typingctx, v):
     return types.float32(v), lambda context, builder, sig, args: _reduce(builder, args[0], lambda b, x, y: b.fadd(x, y))
 
 
+def _pick_larger(b, x, y):
+    return b.select(b.fcmp_ordered(">", x, y), x, y)
+
+
 @_intrinsic
 def f32_hmax(typingctx, v):
     """Largest lane of a 16-lane vector (exact in any order)."""
-    pick = lambda b, x, y: b.select(b.fcmp_ordered(">", x, y), x, y)  # noqa: E731
-    return types.float32(v), lambda context, builder, sig, args: _reduce(builder, args[0], pick)
+    return types.float32(v), lambda context, builder, sig, args: _reduce(builder, args[0], _pick_larger)
+
+
+@_intrinsic
+def f32_max(typingctx, a, b):
+    """The larger of a and b per lane (a maximum is exact in any order, so lanes can be folded later)."""
+    return a(a, b), lambda context, builder, sig, args: _pick_larger(builder, args[0], args[1])
 
 
 @_intrinsic
