@@ -118,24 +118,34 @@ def test_rows_are_bit_identical_whatever_the_batch(tensors, name):
         np.testing.assert_array_equal(run(pool[picks], w), alone[picks], err_msg=f"T={num_tokens}")
 
 
-def test_quantized_rows_match_numpy():
-    x = np.random.default_rng(4).standard_normal((5, 96)).astype(np.float32) * 7
+@pytest.mark.parametrize("blocks", [3, 7, 18])  # the row's blocks in calls of 4, 2 and 1
+def test_quantized_rows_match_numpy(blocks):
+    k = 32 * blocks
+    x = np.random.default_rng(4).standard_normal((5, k)).astype(np.float32) * 7
     x[1, :32] = 0.0
     x[2, :32] = 0.0
     x[2, :5] = [127.0, 0.5, 1.5, 2.5, -0.5]  # scale exactly 1: halves round to even (0, 2, 2, -0)
+    x[3, -32:] = 0.0
     xq, xd, xm, xs = (a.copy() for a in int_linear.quantize(x))
-    blocks = x.reshape(5, 3, 32)
-    scale = np.abs(blocks).max(axis=2) / np.float32(127)
+    split = x.reshape(5, blocks, 32)
+    scale = np.abs(split).max(axis=2) / np.float32(127)
     inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale > 0)
-    q = np.rint(blocks * inv[:, :, None]).astype(np.int32)
-    np.testing.assert_array_equal(xq.reshape(5, 3, 32), q)
+    q = np.rint(split * inv[:, :, None]).astype(np.int32)
+    np.testing.assert_array_equal(xq.reshape(5, blocks, 32), q)
     np.testing.assert_array_equal(xd, scale)
-    np.testing.assert_array_equal(xs, q.reshape(5, 6, 16).sum(axis=2))
+    np.testing.assert_array_equal(xs, q.reshape(5, 2 * blocks, 16).sum(axis=2))
     np.testing.assert_array_equal(xm, scale * q.sum(axis=2).astype(np.float32))
     # rows that are not contiguous in memory (every other column, or a Fortran-ordered array) quantize the same
     wide = np.repeat(x, 2, axis=1)
     for view in (wide[:, ::2], np.asfortranarray(x)):
         for got, want in zip(int_linear.quantize(view), (xq, xd, xm, xs)):
+            np.testing.assert_array_equal(got, want)
+    # the kernels themselves take rows wider than k (a view of the first k columns), serial and parallel
+    padded = np.concatenate([x, np.full((5, 32), 1e6, np.float32)], axis=1)[:, :k]
+    for kernel in int_linear._QUANTIZE:
+        rows = int_linear.QuantRows(k, 5)
+        kernel(padded, rows.xq, rows.xd, rows.xm, rows.xs)
+        for got, want in zip((rows.xq, rows.xd, rows.xm, rows.xs), (xq, xd, xm, xs)):
             np.testing.assert_array_equal(got, want)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from engine.kernels import int_tiles
 from engine.kernels.int_pack import IntWeight
 from engine.kernels.ops import _pick, _twice
-from engine.kernels.simd_quant import abs_max16, round_store16
+from engine.kernels.simd_quant import quantize_blocks
 from engine.kernels.simd import PATHS, specialize, specialize_family, store_rows
 
 TILES = {"q4_0": "legacy_tile", "q4_1": "legacy_tile", "q5_0": "legacy_tile", "q5_1": "legacy_tile",
@@ -57,16 +57,20 @@ def host_path() -> str:
 
 
 def _quantize_rows(x, xq, xd, xm, xs):
-    """Per row and block of 32: xq = round(x / xd) with xd = max|x| / 127; xm = xd * sum(xq); xs = per-16 sums."""
+    """Per row and block of 32: xq = round(x / xd) with xd = max|x| / 127; xm = xd * sum(xq); xs = per-16 sums
+    (simd_quant.quantize_blocks: 4 blocks per call, then 2, then 1; flat indices, no row views)."""
+    blocks = x.shape[1] // 32
+    stride = x.strides[0] // 4  # x's rows may be wider than k (a view); every other array is [T, k]
     for t in nb.prange(x.shape[0]):
-        row, out = x[t], xq[t]
-        for b in range(x.shape[1] // 32):
-            scale = max(abs_max16(row, 32 * b), abs_max16(row, 32 * b + 16)) / np.float32(127.0)  # as ops.q8_scale
-            inv = np.float32(1.0) / scale if scale > 0 else np.float32(0.0)
-            low, high = round_store16(row, 32 * b, inv, out), round_store16(row, 32 * b + 16, inv, out)
-            xs[t, 2 * b], xs[t, 2 * b + 1] = low, high
-            xd[t, b] = scale
-            xm[t, b] = scale * np.float32(low + high)
+        b = 0
+        while blocks - b >= 4:
+            quantize_blocks(x, t * stride + 32 * b, xq, xd, xm, xs, t * blocks + b, 4)
+            b += 4
+        if blocks - b >= 2:
+            quantize_blocks(x, t * stride + 32 * b, xq, xd, xm, xs, t * blocks + b, 2)
+            b += 2
+        if blocks - b == 1:
+            quantize_blocks(x, t * stride + 32 * b, xq, xd, xm, xs, t * blocks + b, 1)
 
 
 _QUANTIZE = _twice(_quantize_rows)
