@@ -6,7 +6,7 @@ import pytest
 
 from engine.serving.protocol import SamplingParams
 from engine.core.sequence import Sequence
-from engine.spec_decode.spec_control import PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, DraftController, SourceStats
+from engine.spec_decode.spec_control import COST_SAMPLES, PRIOR_WEIGHT, PROBE_EVERY, PROBE_MAX, DraftController, SourceStats
 
 LINEAR_COST = np.arange(10, dtype=np.float64)  # verify_cost[T] = T: a verify of T tokens costs T plain steps
 FLAT_COST = np.ones(10)  # verifying T tokens costs one plain step
@@ -137,6 +137,24 @@ def test_draft_cost_is_kept_per_source():
     # same acceptance, but only the free source pays: at first = 0.3, k drafts yield < 1 + 0.43 tokens
     # for 1 + 0.5 k steps of drafting with the head
     assert ctl.room(None, seq.draft_stats, 10_000, HYBRID) == {"ngram": 4, "mtp": 0}
+
+
+def test_one_slow_draft_does_not_set_the_draft_cost():
+    """A draft that waited on compilation (or a page fault) is not what drafting costs: the cost is the
+    median of recent drafts, so it is back to the usual figure after two more, and a later outlier
+    alone does not move it."""
+    ctl = DraftController(max_k=4, step_budget=0, verify_cost=FLAT_COST, t1_seconds=0.01)
+    ctl.note_draft_time("eagle", seconds=3.0, num_draft_tokens=1)  # 300 plain steps: a compile
+    ctl.note_draft_time("eagle", seconds=0.0015, num_draft_tokens=1)
+    ctl.note_draft_time("eagle", seconds=0.0015, num_draft_tokens=1)
+    assert ctl.draft_cost["eagle"] == pytest.approx(0.15)
+    for _ in range(5):
+        ctl.note_draft_time("eagle", seconds=0.0015, num_draft_tokens=1)
+    ctl.note_draft_time("eagle", seconds=1.0, num_draft_tokens=1)
+    assert ctl.draft_cost["eagle"] == pytest.approx(0.15)
+    for _ in range(COST_SAMPLES):  # and a head that became dearer is seen as such
+        ctl.note_draft_time("eagle", seconds=0.005, num_draft_tokens=1)
+    assert ctl.draft_cost["eagle"] == pytest.approx(0.5)
 
 
 def test_the_step_budget_caps_every_source():

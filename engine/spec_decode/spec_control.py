@@ -28,6 +28,12 @@ four misses in a row switched it off, and the probes backing off kept it off for
 answer: adaptive eagle made 1.13 tokens a step there, against 1.39 when drafting on every step
 (now 1.385).
 
+A source's draft cost is the median of its last COST_SAMPLES timed drafts: one slow draft (a kernel
+compiled on first use, a page fault) is not what the next will cost. With a running mean instead, an
+eagle head whose first drafts waited on compilation (kernels rebuilt after a source change) still
+stood at 3.0 plain steps per draft token after its first request, against ~0.15 warm, and drafted
+on 5 of that request's 125 steps: it drafts again only on probes, each moving the mean by a fifth.
+
 While a source's k is 0 a request probes it with one draft token every PROBE_EVERY steps, so it
 notices when acceptance recovers. A probe that does not bring drafting back doubles the wait
 before the next one (up to PROBE_MAX steps): on text a source cannot predict, probing then costs
@@ -36,6 +42,7 @@ a fraction of a percent instead of a verify of two tokens every few steps.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +53,7 @@ PRIOR_WEIGHT = 0.02  # per drafting step of any request, in the per-source estim
 PRIOR_STRENGTH = 8.0  # the source's server-wide rate counts as this many of the request's outcomes
 EVIDENCE_DECAY = 0.8  # per drafting step: a request's own estimate remembers ~5 outcomes
 IDLE_DECAY = 0.8  # per step without drafting: its weight fades, so the estimate relaxes to the source's
+COST_SAMPLES = 9  # timed drafts per source behind its draft cost (their median)
 
 
 @dataclass(slots=True)
@@ -98,15 +106,16 @@ class DraftController:
         self.left = step_budget
         self.adaptive = adaptive
         self.t1_seconds = t1_seconds  # a plain decode forward, the unit of cost
-        self.draft_cost: dict[str, float] = {}  # source -> EMA of one draft token's time, in units of t1
+        self.draft_cost: dict[str, float] = {}  # source -> one draft token's time, in units of t1 (median of recent)
+        self._cost_samples: dict[str, deque] = {}
         # source -> acceptance over all requests (a slow EMA): where a new request's estimate starts
         self.prior: dict[str, SourceStats] = {}
 
     def note_draft_time(self, source: str, seconds: float, num_draft_tokens: int) -> None:
         if num_draft_tokens > 0 and self.t1_seconds > 0:
-            cost = seconds / num_draft_tokens / self.t1_seconds
-            old = self.draft_cost.get(source)
-            self.draft_cost[source] = cost if old is None else 0.8 * old + 0.2 * cost
+            samples = self._cost_samples.setdefault(source, deque(maxlen=COST_SAMPLES))
+            samples.append(seconds / num_draft_tokens / self.t1_seconds)
+            self.draft_cost[source] = float(np.median(samples))
 
     def record(self, stats: dict[str, SourceStats], source: str | None, num_drafts: int, num_accepted: int) -> None:
         """A request's step outcome: `source` drafted num_drafts tokens (None or 0 drafts: no source did)."""

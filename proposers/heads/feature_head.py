@@ -22,6 +22,8 @@ from proposers.heads.common import HeadProposer, pick_tokens
 from proposers.heads.head_file import HeadFile
 from proposers.heads.layer import DecoderLayer, KVStore, matmul, pack_matrix, rms_norm
 
+WARM_UP_ROWS = 48  # >= every threshold at which a row kernel or the quantizer turns to two threads
+
 
 class FeatureModule:
     def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, normed_inputs: bool, numerics: str = "exact"):
@@ -68,11 +70,13 @@ class FeatureHeadProposer(HeadProposer):
         self._warm_up(cfg)
 
     def _warm_up(self, cfg: dict) -> None:
-        """One throwaway row through every module: compiles (or loads) the head's kernels now, not
-        inside a request's first draft, where the time would also be charged to the head's cost."""
-        row = np.zeros((1, self.hidden_size), np.float32)
-        for module in self.modules:
-            module.head_input(module.forward(row, row, [(KVStore(cfg["num_kv_heads"], cfg["head_dim"]), 0, 0, 1)]))
+        """Throwaway rows through every module, one and a prompt's catch-up of WARM_UP_ROWS (the row
+        kernels' threaded builds): compiles (or loads) the head's kernels now, not inside a request's
+        first drafts, where the time would also be charged to the head's cost."""
+        for n in (1, WARM_UP_ROWS):
+            rows = np.zeros((n, self.hidden_size), np.float32)
+            for module in self.modules:
+                module.head_input(module.forward(rows, rows, [(KVStore(cfg["num_kv_heads"], cfg["head_dim"]), 0, 0, n)]))
 
     def stop_request(self, request_id) -> None:
         super().stop_request(request_id)
