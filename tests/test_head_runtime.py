@@ -12,7 +12,7 @@ from engine.kernels.weights import EmbeddingTable, RawTensor
 from engine.model.gguf_loader import GGUFModel
 from proposers.base import DraftRequest
 from proposers.heads.head_attention import store_and_attend
-from proposers.heads.layer import KVStore
+from proposers.heads.layer import DecoderLayer, KVStore
 from random_heads import write_random_head
 
 Q = gguf.GGMLQuantizationType
@@ -50,9 +50,10 @@ def reference_attention(q, keys, values, positions, lo, num_heads, num_kv):
     return out.reshape(m, -1)
 
 
-def test_head_attention_equals_reference_and_each_row_stands_alone():
+@pytest.mark.parametrize("hd, p0", [(32, 9), (64, 70), (24, 9)])  # 16-lane loops (over 64 keys too), scalar loop
+def test_head_attention_equals_reference_and_each_row_stands_alone(hd, p0):
     rng = np.random.default_rng(0)
-    nh, nkv, hd, p0, m, lo = 6, 2, 32, 9, 5, 3
+    nh, nkv, m, lo = 6, 2, 5, 3
     cached = rng.standard_normal((2, p0, nkv, hd)).astype(np.float32)  # K, V of positions 0..p0-1
     qkv = rng.standard_normal((m, (nh + 2 * nkv) * hd)).astype(np.float32)
 
@@ -77,6 +78,30 @@ def test_head_attention_equals_reference_and_each_row_stands_alone():
         alone = np.zeros((1, nh * hd), np.float32)
         store_and_attend(qkv[r : r + 1], store.k, store.v, p0 + r, lo, nh, np.float32(1 / np.sqrt(hd)), alone)
         np.testing.assert_array_equal(alone[0], out[r])
+
+
+def test_compiled_head_layer_equals_the_python_chain():
+    """One request's rows take the layer as one compiled call (integer numerics): the same kernels in
+    the same order as DecoderLayer's Python chain, so the same bits, for a catch-up and a single row."""
+    rng = np.random.default_rng(1)
+    hidden, nh, nkv, hd, inter = 64, 4, 2, 16, 96
+    cfg = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "rms_eps": 1e-5, "rope_theta": 10000.0}
+    shapes = {"q": (nh * hd, hidden), "k": (nkv * hd, hidden), "v": (nkv * hd, hidden), "o": (hidden, nh * hd),
+              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    w = {name: rng.standard_normal(shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
+    w["attn_norm"], w["ffn_norm"] = (1 + 0.1 * rng.standard_normal((2, hidden))).astype(np.float32)
+    compiled = DecoderLayer(w, cfg, "q8_0", "int8")
+    chain = DecoderLayer(w, cfg, "q8_0", "int8")
+    assert compiled.compiled is not None
+    chain.compiled = None
+    stores = [KVStore(nkv, hd, capacity=8) for _ in range(2)]
+    x = rng.standard_normal((24, hidden)).astype(np.float32)
+    for p0, m, lo in ((0, 20, 0), (20, 1, 2), (21, 3, 2)):  # a catch-up of 20 rows (threaded row kernels), then steps
+        got = compiled.forward(x[p0 : p0 + m], [(stores[0], p0, lo, m)])
+        want = chain.forward(x[p0 : p0 + m], [(stores[1], p0, lo, m)])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(stores[0].k, stores[1].k)
+    assert stores[0].capacity % 16 == 0
 
 
 def test_first_draft_charges_the_drafting_rows_not_the_prompt_catch_up(tmp_path, model_path, runner):

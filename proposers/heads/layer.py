@@ -15,9 +15,12 @@ import gguf
 import numpy as np
 
 from engine.kernels import arch_ops, ops
+from engine.kernels import layer as layer_kernels
+from engine.kernels.int_linear import host_path
 from engine.kernels.linear import Weight, linear, pack_f32, pack_gguf_tensor
 from engine.kernels.weights import RawTensor
 from proposers.heads.head_attention import store_and_attend
+from proposers.heads.layer_jit import head_layer
 
 WEIGHT_FORMATS = ("q8_0", "f32")
 
@@ -61,9 +64,10 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 class KVStore:
     """One request's head KV by position: k [num_kv_heads, head_dim, capacity] (keys contiguous per dim),
-    v [capacity, num_kv_heads, head_dim]; grows by doubling."""
+    v [capacity, num_kv_heads, head_dim]; capacity a multiple of 16, grown by doubling."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, capacity: int = 256):
+        capacity = -(-capacity // 16) * 16  # whole 16-key chunks (head_attention's vector loads)
         self.k = np.zeros((num_kv_heads, head_dim, capacity), np.float32)
         self.v = np.zeros((capacity, num_kv_heads, head_dim), np.float32)
 
@@ -73,7 +77,7 @@ class KVStore:
 
     def ensure(self, size: int) -> None:
         if size > self.capacity:
-            new, old = max(size, 2 * self.capacity), self.capacity
+            new, old = -(-max(size, 2 * self.capacity) // 16) * 16, self.capacity
             k = np.zeros(self.k.shape[:2] + (new,), np.float32)
             k[:, :, :old] = self.k
             v = np.zeros((new,) + self.v.shape[1:], np.float32)
@@ -95,11 +99,29 @@ class DecoderLayer:
         self.rope_theta = cfg["rope_theta"]
         self.cos, self.sin = ops.rope_tables(256, self.head_dim, self.rope_theta, 1.0)  # [positions, hd / 2]
         self.scale = np.float32(1.0 / np.sqrt(self.head_dim))
+        self.compiled = self._compile(w)
+
+    def _compile(self, w: dict[str, np.ndarray]):
+        """(the layer as one compiled call, its weight arguments) where every product is integer, else None."""
+        weights = (self.qkv, self.o, self.gate_up, self.down)
+        keys = tuple(layer_kernels.product_key(m) for m in weights)
+        if any(k[0] != "int8" for k in keys):
+            return None
+        args = (self.attn_norm, *(layer_kernels.product_args(m) for m in weights[:2]), self.ffn_norm,
+                *(layer_kernels.product_args(m) for m in weights[2:]), int(w["down"].shape[1]))
+        return head_layer(keys, host_path()), args
 
     def forward(self, x: np.ndarray, runs: list[tuple[KVStore, int, int, int]]) -> np.ndarray:
         """x [n, H] holds consecutive runs of rows, run = (store, first position, attention start,
         num rows); each row's K/V is stored at its position, then it attends causally. -> [n, H]."""
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.compiled is not None and len(runs) == 1:  # one request: the whole layer in one call
+            store, p0, lo, m = runs[0]
+            store.ensure(p0 + m)
+            cos, sin = self._rope_tables(p0 + m)
+            run_layer, args = self.compiled
+            return run_layer(np.ascontiguousarray(x, np.float32), args, store.k, store.v, p0, lo, cos, sin,
+                             np.float32(self.eps), self.scale, nh)
         qkv = matmul(rms_norm(x, self.attn_norm, self.eps), self.qkv)  # [n, (nh + 2 nkv) hd]
         positions = np.concatenate([np.arange(p0, p0 + m, dtype=np.int32) for _, p0, _, m in runs])
         cos, sin = self._rope_tables(int(positions.max()) + 1)
