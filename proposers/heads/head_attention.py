@@ -66,8 +66,8 @@ def _attend_vec(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
             while c + 64 <= last:  # 4 chunks of 16 keys at a time
                 _score_span(qkv, r, h * hd, k_store, kvh * hd * cap, cap, scores, c, 4)
                 c += 64
-            for c in range(c, last, 16):
-                _score_span(qkv, r, h * hd, k_store, kvh * hd * cap, cap, scores, c, 1)
+            for tail in range(c, last, 16):
+                _score_span(qkv, r, h * hd, k_store, kvh * hd * cap, cap, scores, tail, 1)
             inv = _softmax(scores, 0, lo, end, scale)
             o = r * out.shape[1] + h * hd
             for c in range(0, hd - hd % 64, 64):
