@@ -7,13 +7,14 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+from random_heads import write_random_head
 
 from engine.kernels.weights import EmbeddingTable, RawTensor
 from engine.model.gguf_loader import GGUFModel
 from proposers.base import DraftRequest
+from proposers.heads.feature_head import FeatureModule
 from proposers.heads.head_attention import store_and_attend
-from proposers.heads.layer import DecoderLayer, KVStore
-from random_heads import write_random_head
+from proposers.heads.layer import KVStore
 
 Q = gguf.GGMLQuantizationType
 
@@ -80,27 +81,33 @@ def test_head_attention_equals_reference_and_each_row_stands_alone(hd, p0):
         np.testing.assert_array_equal(alone[0], out[r])
 
 
-def test_compiled_head_layer_equals_the_python_chain():
-    """One request's rows take the layer as one compiled call (integer numerics): the same kernels in
-    the same order as DecoderLayer's Python chain, so the same bits, for a catch-up and a single row."""
+@pytest.mark.parametrize("normed", [False, True])  # eagle's module, mtp's (normed inputs)
+def test_compiled_head_module_equals_the_python_chain(normed):
+    """One request's rows take the module (fc, then the decoder layer) as one compiled call under integer
+    numerics: the same kernels in the same order as the Python chain that batched requests take, so the
+    same bits, for a catch-up of the prompt and single rows after it."""
     rng = np.random.default_rng(1)
     hidden, nh, nkv, hd, inter = 64, 4, 2, 16, 96
     cfg = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "rms_eps": 1e-5, "rope_theta": 10000.0}
     shapes = {"q": (nh * hd, hidden), "k": (nkv * hd, hidden), "v": (nkv * hd, hidden), "o": (hidden, nh * hd),
-              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter), "fc": (hidden, 2 * hidden)}
     w = {name: rng.standard_normal(shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
-    w["attn_norm"], w["ffn_norm"] = (1 + 0.1 * rng.standard_normal((2, hidden))).astype(np.float32)
-    compiled = DecoderLayer(w, cfg, "q8_0", "int8")
-    chain = DecoderLayer(w, cfg, "q8_0", "int8")
-    assert compiled.compiled is not None
-    chain.compiled = None
+    for name in ("attn_norm", "ffn_norm", "emb_norm", "feat_norm", "out_norm"):
+        w[name] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    compiled = FeatureModule(w, cfg, "q8_0", normed, "int8")
+    chain = FeatureModule(w, cfg, "q8_0", normed, "int8")
+    assert compiled.compiled is not None and compiled.layer.compiled is not None
+    chain.compiled = chain.layer.compiled = None
     stores = [KVStore(nkv, hd, capacity=8) for _ in range(2)]
-    x = rng.standard_normal((24, hidden)).astype(np.float32)
+    emb, feat = rng.standard_normal((2, 24, hidden)).astype(np.float32)
     for p0, m, lo in ((0, 20, 0), (20, 1, 2), (21, 3, 2)):  # a catch-up of 20 rows (threaded row kernels), then steps
-        got = compiled.forward(x[p0 : p0 + m], [(stores[0], p0, lo, m)])
-        want = chain.forward(x[p0 : p0 + m], [(stores[1], p0, lo, m)])
+        rows = slice(p0, p0 + m)
+        got = compiled.forward(emb[rows], feat[rows], [(stores[0], p0, lo, m)])
+        want = chain.forward(emb[rows], feat[rows], [(stores[1], p0, lo, m)])
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(stores[0].k, stores[1].k)
+    got = compiled.layer.forward(emb[:1], [(stores[0], 24, 0, 1)])  # the layer alone, compiled and not
+    np.testing.assert_array_equal(got, chain.layer.forward(emb[:1], [(stores[1], 24, 0, 1)]))
     assert stores[0].capacity % 16 == 0
 
 

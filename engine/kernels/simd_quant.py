@@ -17,7 +17,18 @@ from llvmlite import ir
 from numba import types
 
 from engine.kernels.simd import _pick_larger
-from engine.kernels.simd_ir import LANES, _F32, _I8, _I32, _addr, _call, _int_arg, _intrinsic, _lanes, _splat
+from engine.kernels.simd_ir import (
+    _F32,
+    _I8,
+    _I32,
+    LANES,
+    _addr,
+    _call,
+    _int_arg,
+    _intrinsic,
+    _lanes,
+    _splat,
+)
 
 _VF32 = ir.VectorType(_F32, LANES)
 _VI32 = ir.VectorType(_I32, LANES)

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.kernels.int_linear import host_path
+from engine.kernels.layer import product_args, product_key
 from proposers.base import DraftRequest
 from proposers.heads.common import HeadProposer, pick_tokens
 from proposers.heads.head_file import HeadFile
 from proposers.heads.layer import DecoderLayer, KVStore, matmul, pack_matrix, rms_norm
+from proposers.heads.layer_jit import head_module
 
 WARM_UP_ROWS = 48  # >= every threshold at which a row kernel or the quantizer turns to two threads
 
@@ -31,11 +34,19 @@ class FeatureModule:
         self.layer = DecoderLayer(w, cfg, fmt, numerics)
         self.eps = cfg["rms_eps"]
         self.norms = (w["emb_norm"], w["feat_norm"], w["out_norm"]) if normed_inputs else None
+        fc_key = product_key(self.fc)
+        self.compiled = None  # fc and the layer as one call for one request (integer products only)
+        if self.layer.compiled is not None and fc_key[0] == "int8":
+            self.compiled = head_module(fc_key, self.layer.keys, host_path()), product_args(self.fc)
 
     def forward(self, emb: np.ndarray, feat: np.ndarray, runs) -> np.ndarray:
         """emb, feat [n, H] -> z [n, H] (runs as in DecoderLayer.forward)."""
         if self.norms is not None:
             emb, feat = rms_norm(emb, self.norms[0], self.eps), rms_norm(feat, self.norms[1], self.eps)
+        if self.compiled is not None and len(runs) == 1:
+            run_module, fc = self.compiled
+            return run_module(np.ascontiguousarray(emb, np.float32), np.ascontiguousarray(feat, np.float32), fc,
+                              self.layer.compiled[1], *self.layer.run_args(runs[0]))
         return self.layer.forward(matmul(np.concatenate([emb, feat], axis=1), self.fc), runs)
 
     def head_input(self, z: np.ndarray) -> np.ndarray:

@@ -17,7 +17,14 @@ import numba as nb
 import numpy as np
 
 from engine.kernels.attention_vec import _softmax
-from engine.kernels.simd import f32_fma, f32_mul, f32_splat, f32_zero, load_rows, store_rows
+from engine.kernels.simd import (
+    f32_fma,
+    f32_mul,
+    f32_splat,
+    f32_zero,
+    load_rows,
+    store_rows,
+)
 
 
 @nb.njit(cache=True)

@@ -104,24 +104,27 @@ class DecoderLayer:
     def _compile(self, w: dict[str, np.ndarray]):
         """(the layer as one compiled call, its weight arguments) where every product is integer, else None."""
         weights = (self.qkv, self.o, self.gate_up, self.down)
-        keys = tuple(layer_kernels.product_key(m) for m in weights)
+        keys = self.keys = tuple(layer_kernels.product_key(m) for m in weights)
         if any(k[0] != "int8" for k in keys):
             return None
         args = (self.attn_norm, *(layer_kernels.product_args(m) for m in weights[:2]), self.ffn_norm,
                 *(layer_kernels.product_args(m) for m in weights[2:]), int(w["down"].shape[1]))
         return head_layer(keys, host_path()), args
 
+    def run_args(self, run: tuple[KVStore, int, int, int]) -> tuple:
+        """The compiled layer's arguments after its weights, for one run (the store grown to hold it)."""
+        store, p0, lo, m = run
+        store.ensure(p0 + m)
+        cos, sin = self._rope_tables(p0 + m)
+        return store.k, store.v, p0, lo, cos, sin, np.float32(self.eps), self.scale, self.num_heads
+
     def forward(self, x: np.ndarray, runs: list[tuple[KVStore, int, int, int]]) -> np.ndarray:
         """x [n, H] holds consecutive runs of rows, run = (store, first position, attention start,
         num rows); each row's K/V is stored at its position, then it attends causally. -> [n, H]."""
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.compiled is not None and len(runs) == 1:  # one request: the whole layer in one call
-            store, p0, lo, m = runs[0]
-            store.ensure(p0 + m)
-            cos, sin = self._rope_tables(p0 + m)
             run_layer, args = self.compiled
-            return run_layer(np.ascontiguousarray(x, np.float32), args, store.k, store.v, p0, lo, cos, sin,
-                             np.float32(self.eps), self.scale, nh)
+            return run_layer(np.ascontiguousarray(x, np.float32), args, *self.run_args(runs[0]))
         qkv = matmul(rms_norm(x, self.attn_norm, self.eps), self.qkv)  # [n, (nh + 2 nkv) hd]
         positions = np.concatenate([np.arange(p0, p0 + m, dtype=np.int32) for _, p0, _, m in runs])
         cos, sin = self._rope_tables(int(positions.max()) + 1)

@@ -1,4 +1,4 @@
-"""A draft head's decoder layer over one run of rows as one compiled call (integer numerics).
+"""A draft head's module (fc, then its decoder layer) over one run of rows as one compiled call (integer numerics).
 
 DecoderLayer.forward's Python chain makes ~12 kernel calls per draft token and allocates between
 them; for the one request of a batch-1 draft that glue cost about what the layer's weight products
@@ -74,6 +74,25 @@ def _head_layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads)
         _act_s(gate_up, act)  # noqa: F821
     _down(act, w_down, delta, _quant_rows(n, inter))  # noqa: F821
     return _add(x, delta)
+
+
+def _fc_then_layer(emb, feat, w_fc, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads):
+    """An EAGLE / MTP module: x = [emb | feat] @ fc.T [n, H], then the layer over x (see _head_layer)."""
+    n, hidden = emb.shape
+    both = np.empty((n, 2 * hidden), np.float32)  # [n, 2H]
+    both[:, :hidden] = emb
+    both[:, hidden:] = feat
+    x = np.empty((n, hidden), np.float32)
+    _fc(both, w_fc, x, _quant_rows(n, 2 * hidden))  # noqa: F821
+    return _layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads)  # noqa: F821
+
+
+@functools.cache
+def head_module(fc: tuple, products: tuple, path: str):
+    """_fc_then_layer compiled for an integer fc product key and the layer's four (see head_layer)."""
+    bind = {"_fc": layer_kernels.product(fc, path), "_layer": head_layer(products, path)}
+    tag = "headfc__" + "_".join(fc) + "__" + "__".join("_".join(k) for k in products)
+    return specialize(_fc_then_layer, path, bind, tag=tag, parallel=False)
 
 
 @functools.cache
