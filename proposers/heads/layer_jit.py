@@ -28,16 +28,6 @@ def _quant_rows(n, k):
             np.empty((n, k // 16), np.int32))
 
 
-@nb.njit(cache=True)
-def _add(x, d):
-    """x + d, rounded per element (NumPy's float32 add)."""
-    out = np.empty_like(x)
-    for t in range(x.shape[0]):
-        for i in range(x.shape[1]):
-            out[t, i] = x[t, i] + d[t, i]
-    return out
-
-
 def _head_layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads):
     """x [n, H] at positions p0..p0+n-1 attending from key lo -> [n, H] (see DecoderLayer.forward)."""
     attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, inter = w
@@ -60,7 +50,7 @@ def _head_layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads)
     store_and_attend(qkv, k_store, v_store, p0, lo, num_heads, scale, attn)
     delta = np.empty((n, hidden), np.float32)
     _o(attn, w_o, delta, _quant_rows(n, num_heads * hd))  # noqa: F821
-    x = _add(x, delta)
+    x = x + delta  # a new array: the caller's x stays as it was
     if par:
         _rms_p(x, ffn_norm, eps, h)  # noqa: F821
     else:
@@ -73,7 +63,7 @@ def _head_layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads)
     else:
         _act_s(gate_up, act)  # noqa: F821
     _down(act, w_down, delta, _quant_rows(n, inter))  # noqa: F821
-    return _add(x, delta)
+    return x + delta
 
 
 def _fc_then_layer(emb, feat, w_fc, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads):
