@@ -12,7 +12,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.serve_servers import free_port
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
 MAX_PENDING = 8
@@ -31,12 +32,6 @@ ENGINE_ARGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "0.05
                "--threads", "1", "--speculative-config", '{"method":"ngram","num_speculative_tokens":3}']
 START_TIMEOUT = 300  # s: model load + JIT warm-up on a cold cache
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}  # outlives any test step
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -61,7 +56,8 @@ class Cluster:
     def __init__(self, tmp: pathlib.Path, model_path: pathlib.Path, env: dict[str, str] | None = None,
                  host: str = "127.0.0.1", max_pending: int = MAX_PENDING):
         self.tmp, self.model_path = tmp, model_path
-        self.port, self.zmq_port = free_port(), free_port()
+        self.port = free_port()
+        self.zmq_port = free_port(exclude=(self.port,))
         self.url = f"http://{host}:{self.port}"
         pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "SPECULANT_HOST": host,

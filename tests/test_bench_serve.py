@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import socket
+from types import SimpleNamespace
 
 import pytest
 
+from benchmarks import serve_servers
 from benchmarks.serve import check, main, parse
 from benchmarks.serve_load import RequestRecord, summarize
 
@@ -80,3 +84,24 @@ def test_speculation_reaches_the_worker_and_outputs_match_direct(result):
     assert sum(row["num_drafts"] for row in result["levels"]) > 0  # --speculative-config got through
     # Greedy, one request at a time: HTTP and in-process must produce the same tokens.
     assert result["levels"][0]["same_output_fraction"] == 1.0
+
+
+def test_free_ports_lie_outside_the_range_given_to_client_sockets():
+    low, high = (int(v) for v in pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [serve_servers.free_port() for _ in range(50)]
+    assert all(p < low or p > high for p in ports)
+
+
+def test_servers_start_on_fresh_ports_when_their_port_is_taken(model_path, tmp_path, monkeypatch):
+    """A gateway that cannot bind exits 1; LocalServers picks new ports and starts again."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", serve_servers.free_port()))
+        held.listen()
+        taken = held.getsockname()[1]
+        first, real = iter([taken]), serve_servers.free_port
+        monkeypatch.setattr(serve_servers, "free_port", lambda exclude=(): next(first, None) or real(exclude))
+        args = SimpleNamespace(model=model_path, max_model_len=256, kv_cache_memory=0.05, max_num_seqs=2, threads=1,
+                               max_num_batched_tokens=256, speculative_config=None)
+        with serve_servers.LocalServers(args, str(tmp_path)) as servers:
+            assert servers.port != taken and serve_servers.num_ready_workers(servers.url) == 1
+    assert "address already in use" in (tmp_path / "gateway.log").read_text().lower()  # the first try's log is kept

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import zmq
 import zmq.asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
+from benchmarks.serve_servers import free_port
 from engine.serving import protocol
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -16,12 +15,6 @@ from gateway.config import GatewayConfig
 BODY_LIMIT = 64 * 1024
 CHAT = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
