@@ -226,7 +226,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
                     *(layer_kernels.product_args(w) for w in (w_gu, w_down)), *self._layer_kv(i),
                     (*parts, cos, sin, window))
-            self._layer_calls.append((layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch), args))
+            run_layer = layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch)
+            self._layer_calls.append((run_layer, layer_kernels.layer_args(self._bufs, args)))
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run the model over the ragged batch; returns logits [num_logits, vocab] (a view, valid until the next call)."""
@@ -242,8 +243,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         meta = (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
                 np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim)
-        for i, (run_layer, weights) in enumerate(self._layer_calls):
-            run_layer(T, i == 0, self._bufs, weights, meta)
+        for i, (run_layer, args) in enumerate(self._layer_calls):
+            run_layer(T, i == 0, args, meta)
         ops.add_inplace(x, delta)
         L = batch.num_logits
         if self.capture_hidden:  # per-row norm: the logits rows get exactly the same values either way
