@@ -72,6 +72,20 @@ def use_versioned_numba_cache() -> None:
         numba.config.CACHE_DIR = str(current)
 
 
+def launch_threads() -> None:
+    """Start Numba's threading layer now, before any cached kernel is loaded.
+
+    A serial kernel (a decoder layer, a draft head's module) that calls threaded ones carries their
+    parallel-for code, but only a kernel that is itself parallel starts the threading layer when it
+    is loaded from the cache. Loaded first, the serial one cannot link (LLVM "Symbol not found:
+    allocate_sched", the process aborts): seen once here when an eagle head's warm-up loaded its
+    cached module before any target kernel had run.
+    """
+    import numba
+
+    numba.get_num_threads()
+
+
 @contextlib.contextmanager
 def compile_lock():
     """Hold the cache folder's lock while compiling (re-entrant within a thread).

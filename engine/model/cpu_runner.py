@@ -15,6 +15,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
+from engine.jit_cache import launch_threads
 from engine.model.gguf_loader import GGUFModel, ModelConfig
 from engine.kernels import layer as layer_kernels
 from engine.kernels import ops
@@ -97,6 +98,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
     def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0,
                  num_layers: int | None = None, weights_from: "CpuRunner | None" = None, numerics: str = "int8",
                  kv_cache_dtype: str = "auto"):
+        launch_threads()
         if num_threads > 0:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
         # The Numba kernels own the cores. NumPy's BLAS (the draft heads' small attention products)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.jit_cache import launch_threads
 from engine.kernels.int_linear import host_path
 from engine.kernels.layer import product_args, product_key
 from proposers.base import DraftRequest
@@ -84,6 +85,7 @@ class FeatureHeadProposer(HeadProposer):
         """Throwaway rows through every module, one and a prompt's catch-up of WARM_UP_ROWS (the row
         kernels' threaded builds): compiles (or loads) the head's kernels now, not inside a request's
         first drafts, where the time would also be charged to the head's cost."""
+        launch_threads()  # a head bound without a CpuRunner (see jit_cache.launch_threads)
         for n in (1, WARM_UP_ROWS):
             rows = np.zeros((n, self.hidden_size), np.float32)
             for module in self.modules:
