@@ -118,6 +118,26 @@ def test_rows_are_bit_identical_whatever_the_batch(tensors, name):
         np.testing.assert_array_equal(run(pool[picks], w), alone[picks], err_msg=f"T={num_tokens}")
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_spare_row_runs_padded_tiles_with_the_same_bits(tensors, name):
+    """x with one row more than out (QuantRows views): the last 3 or 7 tokens run as a padded tile of
+    4 or 8, its last row computed but not stored. Every path gives the bits of exact-size rows, whatever
+    the spare row holds."""
+    w = pack_gguf_tensor(tensors[name], "int8")
+    rng = np.random.default_rng(5)
+    for num_tokens in (3, 7, 11, 15, 16):
+        x = rng.standard_normal((num_tokens + 1, w.k)).astype(np.float32)
+        x[-1] = 1e30  # the spare row: anything
+        padded = tuple(a.copy() for a in int_linear.quantize(x))  # [T + 1] rows
+        exact = tuple(a[:num_tokens].copy() for a in padded)
+        for path in int_linear.runnable_paths():
+            want, got = (np.full((num_tokens, w.n), np.nan, np.float32) for _ in range(2))
+            int_linear.matmul(exact, w, want, 0, path)
+            int_linear.matmul(padded, w, got, 0, path)
+            assert not np.isnan(got).any()
+            np.testing.assert_array_equal(got, want, err_msg=f"{path} T={num_tokens}")
+
+
 @pytest.mark.parametrize("blocks", [3, 7, 18])  # the row's blocks in calls of 4, 2 and 1
 def test_quantized_rows_match_numpy(blocks):
     k = 32 * blocks

@@ -37,9 +37,11 @@ _QUANTIZE_S, _QUANTIZE_P = int_linear._QUANTIZE
 
 @nb.njit(cache=True, inline="always")
 def _quantized(x, rows):
-    """x [T, k] -> its QuantRows arrays, sliced to T."""
+    """x [T, k] -> its QuantRows arrays, sliced to T + 1 rows where they have them (the spare row,
+    not written, lets the product run a last 3 or 7 tokens as one padded tile: int_linear._gemm)."""
     num = x.shape[0]
-    xq, xd, xm, xs = rows[0][:num], rows[1][:num], rows[2][:num], rows[3][:num]
+    have = min(num + 1, rows[0].shape[0])
+    xq, xd, xm, xs = rows[0][:have], rows[1][:have], rows[2][:have], rows[3][:have]
     if num * x.shape[1] >= QUANTIZE_PARALLEL_MIN:
         _QUANTIZE_P(x, xq, xd, xm, xs)
     else:

@@ -210,7 +210,7 @@ def linear(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
     if x.shape[0] == 0:
         return
     if not isinstance(w, PackedWeight):
-        xq = int_linear.quantize(x)
+        xq = int_linear.quantize(x, spare=True)  # x rows + 1: padded last tiles (int_linear._gemm)
         for part, col0 in zip(w.parts, w.offsets) if isinstance(w, WeightParts) else ((w, 0),):
             int_linear.matmul(xq, part, out, col0)
     elif x.shape[0] < TILE_MIN_TOKENS[w.kind]:

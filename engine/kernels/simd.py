@@ -121,22 +121,38 @@ def load_rows(typingctx, arr, idx, stride, tt):
     return _f32(n)(arr, idx, stride, tt), codegen
 
 
+def _store_pieces(context, builder, sig, args, pieces) -> None:
+    """Store pieces[t] (16 float32) to arr[idx + t * stride:], its first `count` lanes (args as store_rows)."""
+    i, s, c = _int_arg(builder, args[1]), _int_arg(builder, args[2]), _int_arg(builder, args[4], _I32)
+    lane_ids = ir.Constant(ir.VectorType(_I32, LANES), list(range(LANES)))
+    mask = builder.icmp_signed("<", lane_ids, _splat(builder, c, ir.VectorType(_I32, LANES)))
+    for t, piece in enumerate(pieces):
+        ptr = _addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), _f32(1).llvm())
+        _call(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [piece, ptr, ir.Constant(_I32, 4), mask])
+
+
 @_intrinsic
 def store_rows(typingctx, arr, idx, stride, v, count):
     """Token t's first `count` lanes of v to arr[idx + t * stride:] (float32 array, flat index)."""
     n = _tokens(v, LANES)
 
     def codegen(context, builder, sig, args):
-        i, s, c = _int_arg(builder, args[1]), _int_arg(builder, args[2]), _int_arg(builder, args[4], _I32)
-        piece_ty = _f32(1).llvm()
-        lane_ids = ir.Constant(ir.VectorType(_I32, LANES), list(range(LANES)))
-        mask = builder.icmp_signed("<", lane_ids, _splat(builder, c, ir.VectorType(_I32, LANES)))
-        for t, piece in enumerate(_split(builder, args[3], n)):
-            ptr = _addr(context, builder, sig.args[0], args[0], _index(builder, i, s, t), piece_ty)
-            _call(builder, "llvm.masked.store.v16f32.p0", ir.VoidType(), [piece, ptr, ir.Constant(_I32, 4), mask])
+        _store_pieces(context, builder, sig, args, _split(builder, args[3], n))
         return context.get_dummy_value()
 
     return types.none(arr, idx, stride, v, count), codegen
+
+
+@_intrinsic
+def store_first_rows(typingctx, arr, idx, stride, v, count, tokens):
+    """store_rows for the first `tokens` (a constant) tokens of v only: a padded tile's last rows are scratch."""
+    n, keep = _tokens(v, LANES), _literal(tokens)
+
+    def codegen(context, builder, sig, args):
+        _store_pieces(context, builder, sig, args, _split(builder, args[3], n)[:keep])
+        return context.get_dummy_value()
+
+    return types.none(arr, idx, stride, v, count, tokens), codegen
 
 
 # ---------------------------------------------------------------- lane arithmetic (every path)
