@@ -101,7 +101,7 @@ class FeatureHeadProposer(HeadProposer):
     def draft(self, asks: list[DraftRequest]) -> list[tuple[np.ndarray, np.ndarray | None]]:
         states = [self.requests[a.request_id] for a in asks]
         mods = [self._module_states(a.request_id, s.feat_lo) for a, s in zip(asks, states)]
-        ext = [list(s.tokens[: s.num_tokens]) for s in states]  # tokens, then drafts as they come
+        drafted: list[list[int]] = [[] for _ in asks]  # each request's drafts so far (after its tokens)
         steps = [self.model_steps(a) for a in asks]
         probs: list[list] = [[] for _ in asks]
         self.rows_run = 0
@@ -110,19 +110,14 @@ class FeatureHeadProposer(HeadProposer):
             live = [r for r in range(len(asks)) if steps[r] >= j]
             k = min(j - 1, M - 1)
             rows = [states[r].n_feat - 1 + max(0, j - M) for r in live]
-            z = self._compute(k, [states[r] for r in live], [mods[r] for r in live], [ext[r] for r in live], rows)
+            z = self._compute(k, [states[r] for r in live], [mods[r] for r in live], [drafted[r] for r in live], rows)
             logits = self.draft_logits(self.modules[k].head_input(z))  # [live, V_d]
             tokens, q = pick_tokens(logits, self.draft_vocab, [asks[r] for r in live], self.vocab_size, self.rng)
             for r, t, qr in zip(live, tokens, q):
-                ext[r].append(int(t))
+                drafted[r].append(int(t))
                 probs[r].append(qr)
         self.charged_fraction = min(1.0, (sum(steps) + len(asks)) / max(self.rows_run, 1))
-        return [self._finish(s, e, p) for s, e, p in zip(states, ext, probs)]
-
-    @staticmethod
-    def _finish(state, ext: list[int], probs: list) -> tuple[np.ndarray, np.ndarray | None]:
-        tokens = np.asarray(ext[state.num_tokens :], np.int32)
-        return tokens, (None if not probs or probs[0] is None else np.stack(probs))
+        return [(np.asarray(d, np.int32), None if not p or p[0] is None else np.stack(p)) for d, p in zip(drafted, probs)]
 
     def _module_states(self, request_id: str, first_row: int) -> list[ModuleState]:
         mods = self.module_states.get(request_id)
@@ -133,15 +128,14 @@ class FeatureHeadProposer(HeadProposer):
             m.done = m.n_kv
         return mods
 
-    def _compute(self, k: int, states, mods, ext, targets: list[int]) -> np.ndarray:
+    def _compute(self, k: int, states, mods, drafted, targets: list[int]) -> np.ndarray:
         """Run module k over each request's rows done..target; returns z at each target row [R, H]."""
         embs, feats, runs = [], [], []
-        for s, m, e, target in zip(states, mods, ext, targets):
+        for s, m, d, target in zip(states, mods, drafted, targets):
             ms = m[k]
-            rows = np.arange(ms.done, target + 1)
-            embs.append(self.embed_tokens(np.asarray(e, np.int32)[rows + 1 + k]))
-            feats.append(self._features(k, s, m, rows))
-            runs.append((ms.store, ms.done, s.feat_lo, len(rows)))
+            embs.append(self.embed_tokens(_token_ids(s, d, ms.done + 1 + k, target + 2 + k)))
+            feats.append(self._features(k, s, m, ms.done, target + 1))
+            runs.append((ms.store, ms.done, s.feat_lo, target + 1 - ms.done))
         z = self.modules[k].forward(np.concatenate(embs), np.concatenate(feats), runs)  # [sum rows, H]
         self.rows_run += len(z)
         out, offset = [], 0
@@ -156,10 +150,17 @@ class FeatureHeadProposer(HeadProposer):
         return np.stack(out)
 
     @staticmethod
-    def _features(k: int, state, mods: list[ModuleState], rows: np.ndarray) -> np.ndarray:
-        """Feature of each row: the target's (module 0) or the module below's output at that row;
-        past what those cover, this module's own output at the row before (EAGLE-style)."""
-        have = state.n_feat if k == 0 else mods[k - 1].done
+    def _features(k: int, state, mods: list[ModuleState], lo: int, hi: int) -> np.ndarray:
+        """[hi - lo, H] feature of each row lo..hi-1: the target's (module 0) or the module below's output
+        at that row; past what those cover, this module's own output at the row before (EAGLE-style)."""
+        have = min(max(state.n_feat if k == 0 else mods[k - 1].done, lo), hi)
         below = state.feats if k == 0 else mods[k - 1].z
-        own = mods[k].z
-        return np.stack([below[p] if p < have else own[p - 1] for p in rows])
+        return np.concatenate([below[lo:have], mods[k].z[have - 1 : hi - 1]])
+
+
+def _token_ids(state, drafted: list[int], lo: int, hi: int) -> np.ndarray:
+    """[hi - lo] int32 ids at positions lo..hi-1 of a request's tokens followed by its drafts."""
+    n = state.num_tokens
+    if hi <= n:
+        return state.tokens[lo:hi]
+    return np.concatenate([state.tokens[lo:n], np.asarray(drafted[max(lo - n, 0) : hi - n], np.int32)])
