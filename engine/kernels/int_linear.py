@@ -2,8 +2,9 @@
 
 Each row of x is quantized on its own (blocks of 32: scale = max|x| / 127, q = round-half-even(
 x / scale), as llama.cpp's Q8_1), then every strip of 16 weight rows runs its format's tile
-(int_tiles) over tiles of 4 tokens and a last tile of 1-3. Whatever the token count, the tile
-width, the thread or the ISA path, row t of the output is the same bits: it depends only on x[t].
+(int_tiles) over tiles of 8 (AVX-512) or 4 tokens and last tiles of 2 and 1, or one padded tile
+for a last 3 or 7 (see `_gemm`). Whatever the token count, the tile width, the thread or the ISA
+path, row t of the output is the same bits: it depends only on x[t].
 
 The ISA path is the best the CPU has (simd.PATHS), or $SPECULANT_KERNEL_PATH if set.
 """
