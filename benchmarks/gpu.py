@@ -154,7 +154,8 @@ def decode_rate(eng, prompt_ids, batch: int, num_tokens: int) -> float:
     from engine.generate import generate
     from engine.serving.protocol import SamplingParams
 
-    generate(eng, [prompt_ids], SamplingParams(max_tokens=2, temperature=0.0))
+    # warm-up at the timed batch: the first batched (and speculative) steps compile the CPU-side kernels
+    generate(eng, [prompt_ids] * batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     start = time.perf_counter()
     done = generate(eng, [prompt_ids] * batch, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
     return sum(len(c.token_ids) for c in done) / (time.perf_counter() - start)
@@ -187,8 +188,10 @@ def main(argv=None) -> int:
 
     from engine.llm_engine import LLMEngine
     from engine.model.model_files import resolve_model
+    from engine.spec_decode.verify import compile_kernels
 
     eng = LLMEngine.from_args(engine_args(args))
+    compile_kernels()  # as the served engine's warm-up does: no timed step compiles the batched verifier
     runner = eng.runner
     prompt_ids = (np.arange(args.context) * 37 % 30000 + 100).tolist()
     res = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "dtype": args.dtype,

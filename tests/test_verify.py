@@ -126,6 +126,21 @@ def test_large_batches_take_the_parallel_kernel_and_agree_with_single_requests()
         assert together[r] == alone[0]
 
 
+def test_compile_kernels_covers_the_signatures_a_big_batch_uses():
+    """The served engine's warm-up calls compile_kernels; a big batch must then compile nothing new."""
+    from engine.spec_decode.verify import compile_kernels
+    from engine.spec_decode.verify_kernels import verify_parallel, verify_serial
+
+    compile_kernels()
+    before = (set(verify_parallel.signatures), set(verify_serial.signatures))
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((64 * 5, 4096)).astype(np.float32)  # above the parallel threshold
+    run_verify(logits, [4] * 64, rng.integers(0, 4096, 64 * 4).astype(np.int32), temperature=0.7, strategy=REJECTION)
+    run_verify(logits[:5], [4], rng.integers(0, 4096, 4).astype(np.int32))
+    assert (set(verify_parallel.signatures), set(verify_serial.signatures)) == before
+    assert before[0] and before[1]
+
+
 def test_accept_all_accepts_every_draft_and_adds_bonus():
     logits = one_hot_logits([3, 4, 5, 6])
     outs, num_accepted = run_verify(logits, [3], [0, 1, 2], policy=ACCEPT_ALL)

@@ -3,7 +3,10 @@
 Default: cuBLAS `cublasGemmEx`, the call cupy.matmul makes underneath, but called directly
 because cupy.matmul writes its output in the input dtype (we want fp16/bf16 inputs and a float32
 residual stream) and has no bfloat16. The handle gets its own workspace so that nothing is
-allocated under CUDA-graph capture. With batch_invariant=True the products use
+allocated under CUDA-graph capture. The calls go through ctypes to the libcublas that CuPy loaded:
+CuPy's wrappers rebind the stream on every call and refuse to run while a stream captures
+("calling cuBLAS API during stream capture is currently unsupported", CuPy 14 on an H100), so
+the graphs could not be built. With batch_invariant=True the products use
 cuda/linear.cu instead: slower for large M, but a row's result never depends on M.
 
 Row-major out[M, N] = x[M, K] W[N, K]^T is, in cuBLAS's column-major terms,
@@ -11,6 +14,8 @@ out^T (N x M, ld N) = op(W) x^T with W read as K x N (ld K) and op = transpose.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -30,6 +35,20 @@ def check_invariant_shape(name: str, k: int, itemsize: int) -> None:
                          "batch_invariant=True needs 16-byte rows (use the cuBLAS path)")
 
 
+def _loaded_cublas() -> ctypes.CDLL:
+    """The libcublas already mapped into this process by CuPy's cuBLAS module (same handles, same library)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libcublas.so" in line}
+    if not paths:
+        raise RuntimeError("libcublas is not loaded (import cupy_backends.cuda.libs.cublas first)")
+    lib = ctypes.CDLL(min(paths))
+    lib.cublasGemmEx.argtypes = [ctypes.c_void_p, *[ctypes.c_int] * 5, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.cublasSetStream_v2.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
 class Gemm:
     def __init__(self, dtype: str, kernels, batch_invariant: bool = False, stream=None):
         if dtype not in DATA_TYPES:
@@ -47,8 +66,10 @@ class Gemm:
 
         self._cublas = cublas
         self.handle = cublas.create()
-        if stream is not None:  # CuPy's gemmEx rebinds it to the current stream on each call anyway
-            cublas.setStream(self.handle, stream.ptr)
+        self._lib = _loaded_cublas()
+        self._bound_stream = None
+        if stream is not None:
+            self._bind(stream.ptr)
         if hasattr(cublas, "setMathMode"):
             cublas.setMathMode(self.handle, CUBLAS_DEFAULT_MATH)
         self.workspace = cp.empty(WORKSPACE_BYTES, cp.uint8)
@@ -65,14 +86,29 @@ class Gemm:
             self.kernels.linear_rows(x, w, out, rows)
             return
         n, k = w.shape
-        # gemmEx binds the handle to CuPy's current stream (the runner's, inside `with stream:`).
-        self._cublas.gemmEx(
+        self._bind(self._current_stream())  # the runner's stream (inside `with stream:`), also under capture
+        status = self._lib.cublasGemmEx(
             self.handle, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k,
             self._alpha.ctypes.data, w.data.ptr, self.dtype_id, k,
             x.data.ptr, self.dtype_id, k,
             self._beta.ctypes.data, out.data.ptr, CUDA_R_32F, n,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT,
         )
+        if status:
+            raise RuntimeError(f"cublasGemmEx failed with status {status} (out [{rows}, {n}], K = {k})")
+
+    @staticmethod
+    def _current_stream() -> int:
+        import cupy as cp
+
+        return cp.cuda.get_current_stream().ptr
+
+    def _bind(self, stream_ptr: int) -> None:
+        if stream_ptr != self._bound_stream:
+            status = self._lib.cublasSetStream_v2(self.handle, stream_ptr)
+            if status:
+                raise RuntimeError(f"cublasSetStream failed with status {status}")
+            self._bound_stream = stream_ptr
 
     def close(self) -> None:
         if self.handle is not None:

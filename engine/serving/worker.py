@@ -255,7 +255,10 @@ def warm_up(engine) -> None:
     JIT compilation then happens here, not inside the first user's request, and no
     step of a real request runs long enough to miss the gateway's heartbeat timeout.
     """
+    from engine.spec_decode.verify import compile_kernels
+
     start = time.monotonic()
+    compile_kernels()  # the batched verification kernel too, which one request never reaches
     params = protocol.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.add_request(protocol.Generate(request_id="warmup", params=params, prompt="one two one two one two one"))
     while engine.has_unfinished():

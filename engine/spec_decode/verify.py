@@ -88,6 +88,20 @@ def verify(
            out_token_ids, out_num_accepted)
 
 
+def compile_kernels() -> None:
+    """Compile (or load from the cache) both kernels on a tiny batch of the engine's argument types.
+
+    `verify` picks verify_parallel only for big batches (several requests with drafts), which one
+    short warm-up request never reaches; compiled on a first big batch it stalled that step ~4 s.
+    """
+    vocab, cu_rows = 4, np.array([0, 2, 3], np.int32)  # two requests: 1 draft + 0 drafts
+    logits = np.zeros((3, vocab), np.float32)  # [num_rows, vocab]
+    for kernel in (verify_serial, verify_parallel):
+        kernel(logits, cu_rows, np.zeros(1, np.int32), np.zeros((0, vocab), np.float32), np.zeros(2, np.bool_),
+               np.zeros(2, np.float32), np.ones(2, np.float32), np.zeros(2, np.int32), np.full(2, GREEDY, np.int32),
+               int(NORMAL), np.zeros((3, 2)), 5, 1.0, np.zeros(3, np.int32), np.zeros(2, np.int32))
+
+
 def _expect(name: str, array: np.ndarray, dtype, shape: tuple) -> None:
     if not isinstance(array, np.ndarray) or array.dtype != dtype:
         raise ValueError(f"{name}: expected a {np.dtype(dtype).name} ndarray")
