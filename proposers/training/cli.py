@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--noise", type=float, default=0.05, help="uniform input-feature noise, relative to the feature RMS")
     g.add_argument("--eval-drafts", type=int, default=5, help="drafts per start in the acceptance simulation")
     g.add_argument("--precision", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="training matmuls (auto: bfloat16 where the CPU has native bf16 dot products)")
+                   help="training matmuls (auto: bfloat16 where a timed product shows it faster than float32)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=0, help="compute threads (0 = all cores)")
     return p
