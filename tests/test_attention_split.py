@@ -1,7 +1,9 @@
 """Decode attention in three phases (attention_split): for a decode batch, the same bits as the vector
 kernel's tiles give, for every cache type, group size (padded tiles of 2, 4 and 8 rows included),
-head_dim split, sliding window and context length; and the same bits for a request alone or batched."""
+head_dim split, sliding window and context length, however many runs the values phase is cut into;
+and the same bits for a request alone or batched."""
 
+import numba
 import numpy as np
 import pytest
 
@@ -21,8 +23,9 @@ def test_split_decode_gives_the_tiles_bits(cache, head_dim, heads, window, monke
         case = TA.make_case(head_dim, 16, runs, seed=head_dim + heads[0])
         case, twin = TA.CACHES[cache](case)
         tiles = TA.run(A._ATTENTION_VEC[1], case, 1 / np.sqrt(head_dim), window)
-        split = TA.run(decode_attention, case, 1 / np.sqrt(head_dim), window)
-        np.testing.assert_array_equal(split, tiles)
+        for threads in (numba.get_num_threads(), 1, 5):  # runs of the values phase (more than threads too)
+            split = TA.run(lambda *a: decode_attention(*a, threads), case, 1 / np.sqrt(head_dim), window)  # noqa: B023
+            np.testing.assert_array_equal(split, tiles)
         if runs[0][0] == 1100:  # also close to the float64 reference
             want = TA.reference(*twin, 1 / np.sqrt(head_dim), window)
             np.testing.assert_allclose(split, want, rtol=1e-4, atol=2e-5)

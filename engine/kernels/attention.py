@@ -178,7 +178,8 @@ def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_he
     values = k_cache[0] if isinstance(k_cache, tuple) else k_cache
     vector = vector_shapes(values.shape[2], values.shape[3])
     if vector and num_tokens and splits(num_tokens, cu_q, int(positions.max()) + 1, num_heads, values.shape[0]):
-        decode_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out)
+        decode_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out,
+                         nb.get_num_threads())
         return
     if vector:
         pair = _ATTENTION_VEC

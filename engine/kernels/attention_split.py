@@ -7,11 +7,17 @@ split evenly over the threads:
   scores   per request, KV head and half of its keys: the group's heads as one tile of `rows` rows
            (the group padded to 1, 2, 4 or 8; the padding rows are computed and never used)
   softmax  per query head (the padding rows set to zero)
-  values   per request, KV head and half of head_dim: the group's heads as one tile
+  values   one contiguous run of (request, KV head, 32 dims) units per thread, so that each thread reads
+           whole V rows of whole heads where it can (three KV heads on two threads: one and a half
+           each); the group's heads as one tile
 Per query each phase runs attention_vec's own functions over the same keys in the same order, so a
 query gets the bits attention_vec gives it; only who computes which part differs.
 
-Measured: see SPLIT_MIN_KEYS.
+The scores loop asks for the K lines a little ahead (kv_prefetch). Measured on the Xeon (avx512, 2
+threads), in one process against values by halves of head_dim and no prefetch: 30 layers' distinct
+fp16 caches at 2,000 keys 135-163 -> 114-134 us per layer; the model's decode step at 2,000 cached
+tokens 7.9-10.7 -> 7.2-7.7 ms (median 8.6 -> 7.4) while the step at 300 stayed 4.5-4.6 ms. See also
+SPLIT_MIN_KEYS.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from engine.kernels.attention_vec import _scores, _softmax, _values, cache_parts, first_key
+from engine.kernels.attention_values import _values
+from engine.kernels.attention_vec import _scores, _softmax, cache_parts, first_key
+from engine.kernels.kv_prefetch import KEY_CHUNKS_AHEAD
 from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 
 # Keys (of the longest request) from which a decode batch takes this path: three phases cost two more
@@ -54,15 +62,15 @@ def never(num_tokens, cu_q, num_keys, num_heads, num_kv):
 
 @nb.njit(cache=True, inline="always")
 def _group_scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, rows, scores):
-    """_scores with `rows` as a literal (1, 2, 4 or 8)."""
+    """_scores with `rows` as a literal (1, 2, 4 or 8), asking for the K lines ahead."""
     if rows == 1:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 1, scores)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 1, scores, KEY_CHUNKS_AHEAD)
     elif rows == 2:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 2, scores)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 2, scores, KEY_CHUNKS_AHEAD)
     elif rows == 4:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 4, scores)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 4, scores, KEY_CHUNKS_AHEAD)
     else:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 8, scores)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 8, scores, KEY_CHUNKS_AHEAD)
 
 
 @nb.njit(cache=True, inline="always")
@@ -79,17 +87,16 @@ def _group_values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, 
 
 
 @nb.njit(cache=True, inline="always")
-def _dims(hd, half):
-    """Half `half` (0 or 1) of head_dim, cut at a multiple of 32 where hd is one (the values' step), else of 16."""
-    step = 32 if hd % 32 == 0 else 16
-    mid = hd // 2 // step * step
-    return (0, mid) if half == 0 else (mid, hd)
+def _run(t, threads, units):
+    """Thread t's contiguous run [u0, u1) of `units` values units, cut evenly into `threads` runs."""
+    return t * units // threads, (t + 1) * units // threads
 
 
 @nb.njit(parallel=True, cache=True)
-def decode_attention(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out):
+def decode_attention(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out, threads):
     """attention_vec.paged_attention_vec's result for a decode batch (cu_q[r + 1] - cu_q[r] == 1 for every
-    r), for groups of up to 8 query heads per KV head. qkv [R, (heads + 2 kv) * hd], out [R, heads * hd]."""
+    r), for groups of up to 8 query heads per KV head. qkv [R, (heads + 2 kv) * hd], out [R, heads * hd];
+    threads: numba.get_num_threads() of the caller (the values phase hands each one a run)."""
     k_cache, k_scale = cache_parts(k_entry)
     v_cache, v_scale = cache_parts(v_entry)
     num_kv, hd = k_cache.shape[0], k_cache.shape[2]
@@ -119,15 +126,21 @@ def decode_attention(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_h
             inv[item] = _softmax(scores, item, lo, num_keys, scale)
         else:
             scores[item, lo - lo % 16 : (num_keys + 15) // 16 * 16] = 0.0
-    for item in nb.prange(num_reqs * num_kv * 2):  # values: half of head_dim for the group's heads
-        r, kvh, half = item // (2 * num_kv), item // 2 % num_kv, item % 2
-        num_keys = positions[cu_q[r]] + 1
-        d0, d1 = _dims(hd, half)
-        row0 = (r * num_kv + kvh) * rows
-        _group_values(v_cache, v_scale, block_tables[r], kvh, first_key(num_keys, window), num_keys, scores,
-                      row0 * width, vals, row0 * hd, hd, rows, d0, d1)
-        for j in range(group):
-            o = cu_q[r] * os_ + (kvh * group + j) * hd
-            for c in range(d0, d1, 16):
-                store_rows(out, o + c, 0, f32_mul(load_rows(vals, (row0 + j) * hd + c, 0, 1),
-                                                  f32_splat(inv[row0 + j], 1)), 16)
+    step = 32 if hd % 32 == 0 else 16  # dims per values unit
+    per_group = hd // step
+    for t in nb.prange(threads):  # values: a contiguous run of (request, KV head, dims) units per thread
+        u, end = _run(t, threads, num_reqs * num_kv * per_group)
+        while u < end:
+            g = u // per_group  # request x KV head
+            r, kvh = g // num_kv, g % num_kv
+            d0, d1 = (u - g * per_group) * step, (min(end, (g + 1) * per_group) - g * per_group) * step
+            num_keys = positions[cu_q[r]] + 1
+            row0 = (r * num_kv + kvh) * rows
+            _group_values(v_cache, v_scale, block_tables[r], kvh, first_key(num_keys, window), num_keys, scores,
+                          row0 * width, vals, row0 * hd, hd, rows, d0, d1)
+            for j in range(group):
+                o = cu_q[r] * os_ + (kvh * group + j) * hd
+                for c in range(d0, d1, 16):
+                    store_rows(out, o + c, 0, f32_mul(load_rows(vals, (row0 + j) * hd + c, 0, 1),
+                                                      f32_splat(inv[row0 + j], 1)), 16)
+            u = (g + 1) * per_group

@@ -25,12 +25,18 @@ its prompt was chunked.
 
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 import numba as nb
 import numpy as np
 from numba import types
 from numba.extending import overload
 
+from engine.kernels.attention_values import (
+    PAIRED_ROWS_FLOAT,
+    PAIRED_ROWS_INT8,
+    TOKENS_PER_ITEM,
+    _values,
+)
+from engine.kernels.kv_prefetch import prefetch_key_chunk
 from engine.kernels.simd import (
     f32_add,
     f32_exp,
@@ -50,19 +56,6 @@ from engine.kernels.simd import (
     tok_f32,
     wide_registers,
 )
-
-# 32 vector registers of 16 lanes (AVX-512), else 16 of 8 lanes (AVX2): how many rows a tile takes, and
-# how many sums it can keep in flight.
-WIDE = llvm.get_host_cpu_features().get("avx512f", False)
-# Tokens of one request per work item, and the most rows a tile takes: 8 where a 16-lane vector is one
-# register (8 rows of scores fit; measured 1.8 -> 1.6 ms for a verify of 8 at 300 tokens on SmolLM2's
-# 30 layers), else 4.
-TOKENS_PER_ITEM = 8 if WIDE else 4
-# Rows that take two 16-key (or 16-dim) chunks at a time, keeping 2 x rows sums in flight (a fused add
-# waits 4 cycles on the previous one): with AVX-512 up to 8 on a float cache (its span sums are the
-# scores) and 4 on an int8 one (its extra sums would spill); with AVX2 up to 2. Measured on the Xeon
-# (avx512, 2 threads): a verify of 4 / 8 at 300 tokens over 30 layers 1.09 -> 0.95 / 1.57 -> 1.40 ms.
-PAIRED_ROWS_FLOAT, PAIRED_ROWS_INT8 = (8, 4) if WIDE else (2, 2)
 
 
 def cache_parts(entry):
@@ -89,9 +82,10 @@ def _scaled(part, acc, k_scale, sidx):
 
 
 @nb.njit(cache=True)
-def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, scores):
+def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, scores, ahead):
     """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for the 16-key chunks
-    from lo's to num_keys, two chunks at a time where registers allow (each chunk's sums are its own)."""
+    from lo's to num_keys, two chunks at a time where registers allow (each chunk's sums are its own);
+    ahead > 0: also ask for the K lines of the chunks that far on (kv_prefetch; the tiles pass 0)."""
     wide_registers()
     nb.literally(rows)
     num_blocks, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -101,6 +95,9 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
     c0 = lo // 16
     paired = rows <= (PAIRED_ROWS_FLOAT if k_scale is None else PAIRED_ROWS_INT8)
     for c in range(c0, chunks - 1 if paired else c0, 2):
+        if ahead:
+            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead, chunks)
+            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead + 1, chunks)
         a = (kvh * num_blocks + table[16 * c // bs]) * hd * bs + 16 * c % bs
         b = (kvh * num_blocks + table[16 * (c + 1) // bs]) * hd * bs + 16 * (c + 1) % bs
         sa = f32_zero(rows)
@@ -117,6 +114,8 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
         store_rows(scores, 16 * c, ld, sa, 16)
         store_rows(scores, 16 * c + 16, ld, sb, 16)
     for c in range(chunks - (chunks - c0) % 2 if paired else c0, chunks):
+        if ahead:
+            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead, chunks)
         a = (kvh * num_blocks + table[16 * c // bs]) * hd * bs + 16 * c % bs
         sa = f32_zero(rows)
         for d0 in range(0, hd, span):
@@ -152,35 +151,6 @@ def _softmax(scores, r, lo, num_keys, scale):
     return np.float32(1.0) / f32_hsum(total)
 
 
-@nb.njit(cache=True)
-def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, d0, d1):
-    """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key], times the
-    key's scale of these dims in an int8 cache), for dims d0..d1-1 (multiples of 32 where hd is, else of
-    16); resume=False starts the sums from zero. Up to PAIRED_ROWS_FLOAT rows take two chunks of 16 dims
-    at a time (each dim's sum is its own)."""
-    wide_registers()
-    nb.literally(rows)
-    num_blocks, bs, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
-    ld = scores.shape[1]
-    step = 32 if hd % 32 == 0 and rows <= PAIRED_ROWS_FLOAT else 16
-    for c in range(d0, d1, step):
-        acc = load_rows(out, o0 + c, ostride, rows) if resume else f32_zero(rows)
-        acc2 = load_rows(out, o0 + c + 16, ostride, rows) if resume and step == 32 else f32_zero(rows)
-        for i in range(k0 // bs, (k1 + bs - 1) // bs):
-            base = (kvh * num_blocks + table[i]) * bs * hd + c
-            for j in range(max(k0, i * bs), min(k1, (i + 1) * bs)):
-                v = base + (j - i * bs) * hd
-                p = tok_f32(scores, s0 + j, ld, rows)
-                if v_scale is not None:  # [kv, blocks, bs, hd / 32]: one scale per 32 dims, so per chunk
-                    p = f32_mul(p, f32_splat(v_scale[v // 32], rows))
-                acc = f32_fma(p, row_f32(v_cache, v), acc)
-                if step == 32:
-                    acc2 = f32_fma(p, row_f32(v_cache, v + 16), acc2)
-        store_rows(out, o0 + c, ostride, acc, 16)
-        if step == 32:
-            store_rows(out, o0 + c + 16, ostride, acc2, 16)
-
-
 @nb.njit(cache=True, inline="always")
 def first_key(num_keys, window):
     """The first key a query that sees keys 0..num_keys-1 attends to (window 0: no window)."""
@@ -204,7 +174,7 @@ def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostri
         k_min = min(k_min, _row_keys(keys0, inc, phase, period, r))
         k_max = max(k_max, _row_keys(keys0, inc, phase, period, r))
     lo0 = first_key(k_min, window)
-    _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo0, k_max, rows, scores)
+    _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo0, k_max, rows, scores, 0)
     for r in range(rows):
         n = _row_keys(keys0, inc, phase, period, r)
         lo = first_key(n, window)

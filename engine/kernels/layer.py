@@ -129,7 +129,7 @@ def _layer(num, first, args, meta):
     x, delta, h, qkv, attn, gate_up, act, rows_h, rows_q, rows_i = args.bufs
     attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, k_cache, v_cache, parts = args.w
     qkv_bias, q_norm, k_norm, post_attn_norm, post_ffw_norm, cos, sin, window = parts
-    positions, slots, cu_q, tables, eps, scale, num_heads, num_kv, head_dim, rope_dim = meta
+    positions, slots, cu_q, tables, eps, scale, num_heads, num_kv, head_dim, rope_dim, threads = meta
     par = num >= PARALLEL_MIN_ROWS
     xs, ds, hs, q, pos, out = x[:num], delta[:num], h[:num], qkv[:num], positions[:num], attn[:num]
     if first and par:
@@ -152,7 +152,7 @@ def _layer(num, first, args, meta):
     else:
         _write_s(q, k_cache, v_cache, slots[:num], num_heads * head_dim, num_kv * head_dim)  # noqa: F821
     if _splits(num, cu_q, pos.max() + 1, num_heads, num_kv):  # noqa: F821  (a long decode batch)
-        _attend_split(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
+        _attend_split(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out, threads)  # noqa: F821
     elif num * num_heads * (pos.max() + 1) >= PARALLEL_MIN_WORK:
         _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
     else:

@@ -244,7 +244,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             x *= np.float32(np.sqrt(cfg.hidden_size))
         meta = (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
                 np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim)
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, numba.get_num_threads())
         for i, (run_layer, args) in enumerate(self._layer_calls):
             run_layer(T, i == 0, args, meta)
         ops.add_inplace(x, delta)
