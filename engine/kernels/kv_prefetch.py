@@ -4,12 +4,12 @@ A decode step at 2,000 cached tokens reads ~1.5 MB of fp16 K/V per layer, and th
 together (46 MB for SmolLM2) outgrow what this VM keeps in cache, so every step streams them from
 memory. The hardware prefetcher alone left the loads waiting: measured on the Xeon (avx512, 2 threads),
 30 layers' distinct caches at 2,000 keys, in one process, the scores phase of the split decode
-attention took 62-72 us per layer, and 45-53 us when each pair of 16-key chunks asks for the next pair
-(a plain read of the same K takes 44-51 us). Asking for the next block of V as well: the whole decode
-attention 135-143 -> 107-115 us per layer. Prefetches change no arithmetic, so no bits.
+attention took 59-63 us per layer, and 48-54 us when each pair of 16-key chunks asks for the pair two
+chunks on (a plain read of the same K: 44-51 us). Only attention_split asks: in the tiles (prefill,
+verify) it measured a few percent slower. Asking for V ahead as well gained nothing measurable once the values
+phase read whole rows (attention_values). Prefetches change no arithmetic, so no bits.
 
-Layouts (attention_vec): K [kv, blocks, hd, bs] with int8 scales [kv, blocks, hd / 32, bs];
-V [kv, blocks, bs, hd] with int8 scales [kv, blocks, bs, hd / 32].
+Layout (attention_vec): K [kv, blocks, hd, bs] with int8 scales [kv, blocks, hd / 32, bs].
 """
 
 from __future__ import annotations
