@@ -83,26 +83,47 @@ def engine_args(args, max_tokens):
 
 
 def verify_curve(runner, context: int, repeats: int, ts=VERIFY_TS) -> dict[int, float]:
-    """Median ms of a forward that appends T tokens on top of `context` cached tokens.
+    """Median ms of a forward that appends T tokens on top of `context` cached tokens."""
+    times = step_rounds(runner, [(context, t) for t in ts], repeats)
+    return {t: times[(context, t)] for t in ts}
 
-    The Ts are timed in rounds (each T once per round), so a slow phase of the machine weighs on every
-    T alike and the ratios to T = 1 hold better than the absolute figures."""
+
+def step_rounds(runner, cases: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int], float]:
+    """Median ms of each (context, T) case: a forward appending T tokens on top of `context` cached tokens.
+
+    Each context is prefilled once into blocks of its own; the cases are timed in rounds (each case once
+    per round), so a slow phase of the machine weighs on every case alike and the ratios between cases
+    hold better than the absolute figures."""
     from engine.model.cpu_runner import ForwardBatch
 
     fb = ForwardBatch(runner.cache)
-    table = list(range(-(-(context + 16) // runner.cache.block_size)))  # blocks 0.. hold this context
-    chunk = runner.cache.max_num_batched_tokens
-    for start in range(0, context, chunk):  # prefilled in chunks the runner's buffers hold
-        fb.clear()
-        fb.add(np.arange(start, min(context, start + chunk), dtype=np.int32) % 1000, start, table, 1)
-        runner.forward(fb)
-    times = {t: [] for t in ts}
-    for _ in range(repeats):
-        for t in ts:
+    chunk, bs = runner.cache.max_num_batched_tokens, runner.cache.block_size
+    tables, first = {}, 0
+    for context in sorted({c for c, _ in cases}):
+        blocks = -(-(context + max(t for c, t in cases if c == context)) // bs)
+        tables[context] = list(range(first, first + blocks))
+        first += blocks
+        for start in range(0, context, chunk):  # prefilled in chunks the runner's buffers hold
             fb.clear()
-            fb.add(np.arange(t, dtype=np.int32) + 7, context, table, t)
-            times[t].append(_timed(lambda: runner.forward(fb)))
-    return {t: 1000 * float(np.median(v)) for t, v in times.items()}
+            fb.add(np.arange(start, min(context, start + chunk), dtype=np.int32) % 1000, start, tables[context], 1)
+            runner.forward(fb)
+    times = {case: [] for case in cases}
+    for _ in range(repeats):
+        for context, t in cases:
+            fb.clear()
+            fb.add(np.arange(t, dtype=np.int32) + 7, context, tables[context], t)
+            times[(context, t)].append(_timed(lambda: runner.forward(fb)))
+    return {case: 1000 * float(np.median(v)) for case, v in times.items()}
+
+
+def model_steps(runner, args) -> dict:
+    """The verify curve at --context and, in the same rounds, the decode step at --long-context."""
+    cases = [(args.context, t) for t in VERIFY_TS] + ([(args.long_context, 1)] if args.long_context else [])
+    times = step_rounds(runner, cases, args.repeats)
+    out = {"verify_ms": {t: times[(args.context, t)] for t in VERIFY_TS}}
+    if args.long_context:
+        out["long_decode_ms"] = times[(args.long_context, 1)]
+    return out
 
 
 def decode_rate(eng, prompt_ids, batch: int, num_tokens: int) -> float:
@@ -161,14 +182,12 @@ def run(args, progress: bool = False) -> dict:
            "context": args.context, "prefill_tokens": args.prefill_tokens, "long_context": args.long_context}
     stages = [
         ("read_bandwidth_gbs", read_bandwidth_gbs),
-        ("verify_ms", lambda: verify_curve(runner, args.context, args.repeats)),
+        ("steps", lambda: model_steps(runner, args)),
         ("prefill_tok_s", lambda: prefill_rate(eng, args.prefill_tokens)),
         ("decode_tok_s_b1", lambda: decode_rate(eng, prompt_ids, 1, args.decode_tokens)),
         ("decode_tok_s_b8", lambda: decode_rate(eng, prompt_ids, 8, args.decode_tokens)),
         ("compute_rate", lambda: compute_rate.measure(runner, args.prefill_tokens)),
     ]
-    if args.long_context:
-        stages.append(("long_decode_ms", lambda: verify_curve(runner, args.long_context, args.repeats, (1,))[1]))
     if args.peers:
         from benchmarks.model_peer_run import llama_cpp_side
 
@@ -178,6 +197,7 @@ def run(args, progress: bool = False) -> dict:
                        lambda: transformers_decode_rate(resolve_model(args.model), prompt_ids, 32)))
     for key, measure in _stages(stages, progress):
         res[key] = measure()
+    res.update(res.pop("steps"))
     res["floor_ms"] = runner.weight_bytes / (res["read_bandwidth_gbs"] * 1e9) * 1000
     res["verify_ratio"] = {t: v / res["verify_ms"][1] for t, v in res["verify_ms"].items()}
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
