@@ -13,7 +13,7 @@ split evenly over the threads:
 Per query each phase runs attention_vec's own functions over the same keys in the same order, so a
 query gets the bits attention_vec gives it; only who computes which part differs.
 
-The scores loop asks for the K lines a little ahead (kv_prefetch). Measured on the Xeon (avx512, 2
+The scores loop asks for the K lines a little ahead, and the values loop for V (kv_prefetch). Measured on the Xeon (avx512, 2
 threads), in one process against values by halves of head_dim and no prefetch: 30 layers' distinct
 fp16 caches at 2,000 keys 135-163 -> 114-134 us per layer; the model's decode step at 2,000 cached
 tokens 7.9-10.7 -> 7.2-7.7 ms (median 8.6 -> 7.4) while the step at 300 stayed 4.5-4.6 ms. See also
@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.kernels.attention_values import _values
 from engine.kernels.attention_vec import _scores, _softmax, cache_parts, first_key
-from engine.kernels.kv_prefetch import KEY_CHUNKS_AHEAD
+from engine.kernels.kv_prefetch import KEY_CHUNKS_AHEAD, VALUE_BLOCKS_AHEAD
 from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 
 # Keys (of the longest request) from which a decode batch takes this path: three phases cost two more
@@ -75,15 +75,15 @@ def _group_scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, rows,
 
 @nb.njit(cache=True, inline="always")
 def _group_values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, rows, d0, d1):
-    """_values with `rows` as a literal (1, 2, 4 or 8)."""
+    """_values with `rows` as a literal (1, 2, 4 or 8), asking for the V blocks ahead."""
     if rows == 1:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, False, d0, d1)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, False, d0, d1, VALUE_BLOCKS_AHEAD)
     elif rows == 2:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 2, False, d0, d1)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 2, False, d0, d1, VALUE_BLOCKS_AHEAD)
     elif rows == 4:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 4, False, d0, d1)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 4, False, d0, d1, VALUE_BLOCKS_AHEAD)
     else:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 8, False, d0, d1)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 8, False, d0, d1, VALUE_BLOCKS_AHEAD)
 
 
 @nb.njit(cache=True, inline="always")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import llvmlite.binding as llvm
 import numba as nb
 
+from engine.kernels.kv_prefetch import prefetch_block
 from engine.kernels.simd import (
     f32_fma,
     f32_mul,
@@ -41,32 +42,34 @@ PAIRED_ROWS_FLOAT, PAIRED_ROWS_INT8 = (8, 4) if WIDE else (2, 2)
 # Rows whose values sums take four 16-dim chunks at a time (4 x rows sums, plus the weights and values
 # in flight, in 32 zmm registers): AVX-512 only.
 QUAD_ROWS = 4 if WIDE else 0
+VALUE_AHEAD = 4
 
 
 @nb.njit(cache=True)
-def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, d0, d1):
+def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, d0, d1, ahead):
     """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key], times the
     key's scale of these dims in an int8 cache), for dims d0..d1-1 (multiples of 32 where hd is, else of
     16); resume=False starts the sums from zero. Each pass over the keys carries 64, 32 or 16 dims (see
-    the module docstring); each dim's sum is its own."""
+    the module docstring); each dim's sum is its own. ahead > 0: a pass over whole rows asks for the
+    V block that many blocks on (kv_prefetch; the tiles pass 0)."""
     nb.literally(rows)
     hd = v_cache.shape[3]
     c = d0
     if v_scale is None and rows <= QUAD_ROWS:
         while d1 - c >= 64:
-            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 64)
+            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 64, ahead)
             c += 64
     if hd % 32 == 0 and rows <= PAIRED_ROWS_FLOAT:
         while c < d1:
-            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 32)
+            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 32, ahead)
             c += 32
     while c < d1:
-        _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 16)
+        _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 16, ahead)
         c += 16
 
 
 @nb.njit(cache=True)
-def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, width):
+def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, width, ahead):
     """_values for dims c..c+width-1 in one pass over the keys (rows and width literal: 16, 32, or 64 on a
     float cache; an int8 cache's scale covers 32 dims)."""
     wide_registers()
@@ -78,7 +81,10 @@ def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostri
     a1 = load_rows(out, o0 + c + 16, ostride, rows) if resume and width >= 32 else f32_zero(rows)
     a2 = load_rows(out, o0 + c + 32, ostride, rows) if resume and width == 64 else f32_zero(rows)
     a3 = load_rows(out, o0 + c + 48, ostride, rows) if resume and width == 64 else f32_zero(rows)
-    for i in range(k0 // bs, (k1 + bs - 1) // bs):
+    last = (k1 + bs - 1) // bs - 1
+    for i in range(k0 // bs, last + 1):
+        if width == 64 and ahead and i + ahead <= last:  # whole rows: the block's lines are one run
+            prefetch_block(v_cache, (kvh * num_blocks + table[i + ahead]) * bs * hd)
         base = (kvh * num_blocks + table[i]) * bs * hd + c
         for j in range(max(k0, i * bs), min(k1, (i + 1) * bs)):
             v = base + (j - i * bs) * hd

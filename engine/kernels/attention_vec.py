@@ -181,12 +181,12 @@ def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostri
         inv[r] = _softmax(scores, r, lo, n, scale)
         for j in range(lo0, lo - lo % 16):  # keys the tile's first row sees and this row does not
             scores[r, j] = np.float32(0.0)
-    _values(v_cache, v_scale, table, kvh, lo0, k_min, scores, 0, out, o0, ostride, rows, False, 0, hd)
+    _values(v_cache, v_scale, table, kvh, lo0, k_min, scores, 0, out, o0, ostride, rows, False, 0, hd, 0)
     for r in range(rows):  # the later tokens' extra keys, each row alone
         n = _row_keys(keys0, inc, phase, period, r)
         if n > k_min:
             _values(v_cache, v_scale, table, kvh, k_min, n, scores, r * scores.shape[1], out, o0 + r * ostride, ostride,
-                    1, True, 0, hd)
+                    1, True, 0, hd, 0)
     for r in range(rows):
         for c in range(0, hd, 16):
             store_rows(out, o0 + r * ostride + c, 0, f32_mul(load_rows(out, o0 + r * ostride + c, 0, 1), f32_splat(inv[r], 1)), 16)
