@@ -2,9 +2,9 @@
 vector attention kernels plan their tiles with.
 
 _values sums p * v over keys, in key order, for every output element; how many dims it carries per pass
-over the keys changes what each pass reads, never an element's sum. On a float cache up to QUAD_ROWS
-rows carry 64 dims (a whole row of SmolLM2's head_dim: each key's V read once, contiguously), else 32
-(two 16-lane chunks) or 16. Measured on the Xeon (avx512, 2 threads), 30 layers' distinct fp16 caches at
+over the keys changes what each pass reads, never an element's sum. Up to QUAD_ROWS rows carry 64 dims
+(a whole row of SmolLM2's head_dim: each key's V read once, contiguously), else 32 (two 16-lane chunks)
+or 16. Measured on the Xeon (avx512, 2 threads), 30 layers' distinct fp16 caches at
 2,000 keys, in one process, with attention_split handing each thread a contiguous run of heads x dims:
 decode attention 106-129 -> 91-114 us per layer against 32 dims per pass.
 """
@@ -55,7 +55,7 @@ def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, 
     nb.literally(rows)
     hd = v_cache.shape[3]
     c = d0
-    if v_scale is None and rows <= QUAD_ROWS:
+    if rows <= QUAD_ROWS and hd % 32 == 0:
         while d1 - c >= 64:
             _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 64, ahead)
             c += 64
@@ -70,8 +70,8 @@ def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, 
 
 @nb.njit(cache=True)
 def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, width, ahead):
-    """_values for dims c..c+width-1 in one pass over the keys (rows and width literal: 16, 32, or 64 on a
-    float cache; an int8 cache's scale covers 32 dims)."""
+    """_values for dims c..c+width-1 in one pass over the keys (rows and width literal: 16, 32 or 64; in an
+    int8 cache each 32 dims have their own scale, so a 64-dim pass weighs each half by its own)."""
     wide_registers()
     nb.literally(rows)
     nb.literally(width)
@@ -84,19 +84,21 @@ def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostri
     last = (k1 + bs - 1) // bs - 1
     for i in range(k0 // bs, last + 1):
         if width == 64 and ahead and i + ahead <= last:  # whole rows: the block's lines are one run
-            prefetch_block(v_cache, (kvh * num_blocks + table[i + ahead]) * bs * hd)
+            prefetch_block(v_cache, v_scale, (kvh * num_blocks + table[i + ahead]) * bs * hd)
         base = (kvh * num_blocks + table[i]) * bs * hd + c
         for j in range(max(k0, i * bs), min(k1, (i + 1) * bs)):
             v = base + (j - i * bs) * hd
             p = tok_f32(scores, s0 + j, ld, rows)
-            if v_scale is not None:  # [kv, blocks, bs, hd / 32]: one scale per 32 dims, so per pass
+            q = p
+            if v_scale is not None:  # [kv, blocks, bs, hd / 32]: one scale per 32 dims
+                q = f32_mul(p, f32_splat(v_scale[v // 32 + 1], rows)) if width == 64 else p
                 p = f32_mul(p, f32_splat(v_scale[v // 32], rows))
             a0 = f32_fma(p, row_f32(v_cache, v), a0)
             if width >= 32:
                 a1 = f32_fma(p, row_f32(v_cache, v + 16), a1)
             if width == 64:
-                a2 = f32_fma(p, row_f32(v_cache, v + 32), a2)
-                a3 = f32_fma(p, row_f32(v_cache, v + 48), a3)
+                a2 = f32_fma(q, row_f32(v_cache, v + 32), a2)
+                a3 = f32_fma(q, row_f32(v_cache, v + 48), a3)
     store_rows(out, o0 + c, ostride, a0, 16)
     if width >= 32:
         store_rows(out, o0 + c + 16, ostride, a1, 16)

@@ -42,8 +42,12 @@ def prefetch_key_chunk(k_cache, k_scale, table, kvh, c, chunks):
 
 
 @nb.njit(cache=True, inline="always")
-def prefetch_block(v_cache, first):
-    """Ask for the lines of one V block of one KV head (bs x hd elements from flat index `first`)."""
+def prefetch_block(v_cache, v_scale, first):
+    """Ask for the lines of one V block of one KV head: bs x hd elements from flat index `first`, and in
+    an int8 cache their scales (bs x hd / 32 float32, from first / 32)."""
     per_line = LINE // v_cache.itemsize
     for e in range(0, v_cache.shape[2] * v_cache.shape[3], per_line):
         prefetch(v_cache, first + e)
+    if v_scale is not None:
+        for e in range(0, v_cache.shape[2] * v_cache.shape[3] // 32, LINE // 4):
+            prefetch(v_scale, first // 32 + e)
