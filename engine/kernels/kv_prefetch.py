@@ -10,8 +10,8 @@ verify) it measured a few percent slower. The values phase asks for V two blocks
 reads whole rows (attention_values): decode attention 90-101 -> 82-94 us per layer (one block ahead
 about as good, four worse). Prefetches change no arithmetic, so no bits.
 
-Layouts (attention_vec): K [kv, blocks, hd, bs] with int8 scales [kv, blocks, hd / 32, bs]; V [kv, blocks,
-bs, hd].
+Layouts (attention_vec): K [kv, blocks, hd, bs], its int8 scales [kv, blocks, hd / 32, bs];
+V [kv, blocks, bs, hd], its int8 scales [kv, blocks, bs, hd / 32].
 """
 
 from __future__ import annotations
