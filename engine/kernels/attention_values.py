@@ -42,7 +42,6 @@ PAIRED_ROWS_FLOAT, PAIRED_ROWS_INT8 = (8, 4) if WIDE else (2, 2)
 # Rows whose values sums take four 16-dim chunks at a time (4 x rows sums, plus the weights and values
 # in flight, in 32 zmm registers): AVX-512 only.
 QUAD_ROWS = 4 if WIDE else 0
-VALUE_AHEAD = 4
 
 
 @nb.njit(cache=True)
