@@ -33,7 +33,7 @@ from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 # Keys (of the longest request) from which a decode batch takes this path: three phases cost two more
 # wake-ups of the threads than one. Measured on the Xeon (avx512, 2 threads), one request, SmolLM2's 30
 # layers, tiles -> split: fp16 cache 0.46 -> 0.56 ms at 300 keys, 0.69 -> 0.75 at 512, 1.19 -> 1.13 at
-# 1,000, 2.38 -> 2.04 at 2,000 (46 MB of K/V in 2.04 ms: 22.5 GB/s, this VM's read bandwidth); int8
+# 1,000, 2.38 -> 2.04 at 2,000 (46 MB of K/V in 2.04 ms: 22.5 GB/s; a plain vector read runs at ~32); int8
 # cache 1.94 -> 1.83 ms at 2,000.
 SPLIT_MIN_KEYS = 1024
 
