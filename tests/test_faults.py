@@ -146,7 +146,9 @@ async def test_killed_worker_fails_only_its_requests_promptly_and_a_restart_rejo
     cluster.start_worker("w2", *WORKER_ARGS)  # same id, new process, same gateway
     await asyncio.to_thread(cluster.wait_workers, 2)
     async with aiohttp.ClientSession() as session:
-        streams = await start_streams(session, cluster, model, [{"max_tokens": 64}] * 2)
+        # long enough to span several worker heartbeats (0.5 s), which carry the running gauge: with 64 tokens
+        # a fast machine finished one of the two between two beats, and its worker was never seen running
+        streams = await start_streams(session, cluster, model, [{"max_tokens": 300}] * 2)
         seen_running = set()
         while not all(s.task.done() for s in streams):
             for worker in ("w1", "w2"):
