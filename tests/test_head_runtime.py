@@ -14,7 +14,7 @@ from engine.model.gguf_loader import GGUFModel
 from proposers.base import DraftRequest
 from proposers.heads.feature_head import FeatureModule
 from proposers.heads.head_attention import store_and_attend
-from proposers.heads.layer import KVStore
+from proposers.heads.layer import KVStore, draft_rows
 
 Q = gguf.GGMLQuantizationType
 
@@ -81,8 +81,9 @@ def test_head_attention_equals_reference_and_each_row_stands_alone(hd, p0):
         np.testing.assert_array_equal(alone[0], out[r])
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("normed", [False, True])  # eagle's module, mtp's (normed inputs)
-def test_compiled_head_module_equals_the_python_chain(normed):
+def test_compiled_head_module_equals_the_python_chain(normed, fmt):
     """One request's rows take the module (fc, then the decoder layer) as one compiled call under integer
     numerics: the same kernels in the same order as the Python chain that batched requests take, so the
     same bits, for a catch-up of the prompt and single rows after it."""
@@ -94,8 +95,9 @@ def test_compiled_head_module_equals_the_python_chain(normed):
     w = {name: rng.standard_normal(shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
     for name in ("attn_norm", "ffn_norm", "emb_norm", "feat_norm", "out_norm"):
         w[name] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
-    compiled = FeatureModule(w, cfg, "q8_0", normed, "int8")
-    chain = FeatureModule(w, cfg, "q8_0", normed, "int8")
+    compiled = FeatureModule(w, cfg, fmt, normed, "int8")
+    chain = FeatureModule(w, cfg, fmt, normed, "int8")
+    assert compiled.fc.fmt == fmt and compiled.layer.compiled[0] is not None
     assert compiled.compiled is not None and compiled.layer.compiled is not None
     chain.compiled = chain.layer.compiled = None
     stores = [KVStore(nkv, hd, capacity=8) for _ in range(2)]
@@ -129,3 +131,21 @@ def test_first_draft_charges_the_drafting_rows_not_the_prompt_catch_up(tmp_path,
     # drafting every step would have run 3 (two drafts and one row of history)
     assert proposer.charged_fraction == pytest.approx(3 / 41)
     assert set(drafts.seconds) == {"eagle"} and drafts.seconds["eagle"] > 0
+
+
+def test_q4_0_draft_lm_head_rows_are_the_target_rows_requantized():
+    """weights "q4_0": the draft LM head holds the chosen rows of the target's matrix as gguf's own Q4_0 of
+    those rows' values; "q8_0" keeps them as the target stores them."""
+    rng = np.random.default_rng(3)
+    k, n = 64, 40
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    target = RawTensor("output.weight", gguf.GGMLQuantizationType.Q8_0, (k, n),
+                       gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+    rows = np.array([3, 0, 17, 39], np.int64)
+    kept = draft_rows(target, rows, "q8_0")
+    assert kept.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    np.testing.assert_array_equal(kept.data, np.asarray(target.data)[rows])
+    small = draft_rows(target, rows, "q4_0")
+    assert small.tensor_type == gguf.GGMLQuantizationType.Q4_0 and small.shape == (k, len(rows))
+    values = gguf.quants.dequantize(np.asarray(target.data)[rows], gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(small.data, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0))

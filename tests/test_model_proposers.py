@@ -69,6 +69,7 @@ def spec_configs(heads, draft_file):
         "draft_model_layers": {"method": "draft_model", "num_speculative_tokens": 3, "draft_layers": 30},
         "draft_model_file": {"method": "draft_model", "num_speculative_tokens": 2, "model": str(draft_file)},
         "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": heads["eagle"]},
+        "eagle_q4_0": {"method": "eagle", "num_speculative_tokens": 3, "model": heads["eagle"], "weights": "q4_0"},
         "mtp_with_ngram": {"method": "mtp", "num_speculative_tokens": 4, "num_model_steps": 2,
                            "mtp_strategy": "with_ngram", "model": heads["mtp"]},
         "mtp_ngram_first": {"method": "mtp", "num_speculative_tokens": 4, "num_model_steps": 2,
@@ -93,8 +94,8 @@ def spec_engine(heads, make_engine, model_path, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["draft_model_layers", "draft_model_file", "eagle", "mtp_with_ngram", "mtp_ngram_first",
-                                  "medusa"])
+@pytest.mark.parametrize("name", ["draft_model_layers", "draft_model_file", "eagle", "eagle_q4_0", "mtp_with_ngram",
+                                  "mtp_ngram_first", "medusa"])
 def test_greedy_identical_alone_and_concurrent(name, spec_engine, reference):
     engine = spec_engine(name)
     alone = [generate(engine, [p], GREEDY)[0] for p in PROMPTS]

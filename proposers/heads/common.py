@@ -15,14 +15,14 @@ from engine.kernels.weights import EmbeddingTable
 from proposers.base import DraftRequest, Drafts, Proposer, TargetModel
 from proposers.draft_sampling import pick_tokens  # noqa: F401  (re-exported for the head proposers)
 from proposers.heads.head_file import HeadFile, load_head
-from proposers.heads.layer import WEIGHT_FORMATS, gather_rows, matmul
+from proposers.heads.layer import WEIGHT_FORMATS, draft_rows, matmul
 
 SHIPPED = Path(__file__).parent / "data"
 
 
 class HeadOptions(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None  # head .safetensors path; None = the head shipped for the target model
-    weights: str = "q8_0"  # how head matrices are held at run time: q8_0 or f32
+    weights: str = "q8_0"  # how head matrices (and the draft LM head's rows) are held at run time: q8_0, q4_0 or f32
 
 
 def find_shipped_head(kind: str, target_name: str, vocab_size: int, hidden_size: int, num_layers: int) -> Path | None:
@@ -111,7 +111,7 @@ class HeadProposer(Proposer):
         self.embed_table = getattr(target.runner, "embed_table", None) or EmbeddingTable(self.embed)
         head_tensor = self.embed if cfg.tied_embeddings else target.model.tensor("output.weight")
         self.numerics = target.numerics  # the head's products use the target's kernels
-        self.lm_head = pack_gguf_tensor(gather_rows(head_tensor, self.draft_vocab), self.numerics)  # own format
+        self.lm_head = pack_gguf_tensor(draft_rows(head_tensor, self.draft_vocab, self.options.weights), self.numerics)
         self.hidden_size = cfg.hidden_size
         self.load_modules(self.head)
 

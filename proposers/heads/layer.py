@@ -5,8 +5,8 @@ gated activation through its row kernels, attention through a compiled per-row k
 (head_attention): a row's result never depends on which other rows share the batch, so drafts of a
 request are the same alone or batched. (A NumPy chain of ~40 small calls per layer cost almost as much as
 the head's weight products: ~0.8 ms of a ~2.3 ms draft step on the 2-core machine.)
-Head matrices are packed as Q8_0 (default; a quarter of the bytes of float32) or float32; Q8_0 ones
-use the target's numerics (integer products under the default "int8").
+Head matrices are packed as Q8_0 (default; a quarter of the bytes of float32), Q4_0 (an eighth) or
+float32; quantized ones use the target's numerics (integer products under the default "int8").
 """
 
 from __future__ import annotations
@@ -22,18 +22,20 @@ from engine.kernels.weights import RawTensor
 from proposers.heads.head_attention import store_and_attend
 from proposers.heads.layer_jit import head_layer
 
-WEIGHT_FORMATS = ("q8_0", "f32")
+WEIGHT_FORMATS = ("q8_0", "q4_0", "f32")
+_GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 
 
 def pack_matrix(w: np.ndarray, fmt: str, numerics: str = "exact") -> Weight:
-    """w [out, in] float32 -> packed for `linear`; Q8_0 needs in % 32 == 0 (else float32).
+    """w [out, in] float32 -> packed for `linear`; Q8_0 / Q4_0 need in % 32 == 0 (else float32).
 
-    Q8_0 matrices use the target's numerics (integer products under "int8"); float32 stays float.
+    Quantized matrices use the target's numerics (integer products under "int8"); float32 stays float.
     """
     w = np.ascontiguousarray(w, np.float32)
-    if fmt == "q8_0" and w.shape[1] % 32 == 0:
-        q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-        return pack_gguf_tensor(RawTensor("head", gguf.GGMLQuantizationType.Q8_0, (w.shape[1], w.shape[0]), q), numerics)
+    kind = _GGML_TYPES.get(fmt)
+    if kind is not None and w.shape[1] % 32 == 0:
+        q = gguf.quants.quantize(w, kind)
+        return pack_gguf_tensor(RawTensor("head", kind, (w.shape[1], w.shape[0]), q), numerics)
     return pack_f32(w)
 
 
@@ -43,6 +45,18 @@ def gather_rows(t, rows: np.ndarray) -> RawTensor:
     k = int(t.shape[0])
     return RawTensor(f"{t.name}[rows]", gguf.GGMLQuantizationType(t.tensor_type), (k, len(rows)),
                      np.ascontiguousarray(data.reshape(int(t.shape[1]), -1)[rows]))
+
+
+def draft_rows(t, rows: np.ndarray, fmt: str) -> RawTensor:
+    """The draft LM head: rows `rows` of the target's output matrix, kept in its own format, or for
+    fmt "q4_0" requantized to Q4_0 (half the bytes of Q8_0; the drafts may differ, the output cannot)."""
+    gathered = gather_rows(t, rows)
+    if fmt != "q4_0" or gathered.tensor_type == gguf.GGMLQuantizationType.Q4_0 or gathered.shape[0] % 32:
+        return gathered
+    w = gguf.quants.dequantize(gathered.data, gguf.GGMLQuantizationType(gathered.tensor_type))
+    w = np.asarray(w, np.float32).reshape(len(rows), -1)
+    return RawTensor(gathered.name, gguf.GGMLQuantizationType.Q4_0, gathered.shape,
+                     gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))
 
 
 def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
