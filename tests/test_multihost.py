@@ -117,7 +117,7 @@ def test_workers_on_other_hosts_join_over_curve(cluster):
 
 
 async def running_on(cluster, worker_ids: tuple[str, ...]) -> str:
-    """The worker whose heartbeat reports a running request."""
+    """The worker whose heartbeat reports a running request (call it only after `wait_idle`)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         busy = [w for w in worker_ids if cluster.metric("speculant:num_requests_running", engine=w) > 0]
@@ -132,6 +132,9 @@ async def test_a_cut_link_fails_only_that_workers_requests(hosts, cluster):
     story = {"model": model, "prompt": "Write a long story about the sea.", "temperature": 0, "ignore_eos": True}
     # No drafting: the long request must outlive the link timeouts on any machine.
     long_body = {**story, "max_tokens": 1900, "speculative": {"n_max": 0}}
+    # The running gauges come from heartbeats (0.5 s): right after the previous test, the worker that served
+    # it may still report its request. Once both report none, only the long request's worker can turn busy.
+    await asyncio.to_thread(cluster.wait_idle)
     async with aiohttp.ClientSession() as session:
         long = Stream(session, cluster.url, long_body)
         await asyncio.wait_for(long.first.wait(), 120)
