@@ -26,7 +26,6 @@ from engine.kernels import arch_ops, attention, attention_split, int_linear, lin
 from engine.kernels.simd import specialize
 
 PARALLEL_MIN_ROWS = ops.PARALLEL_MIN_ROWS
-PARALLEL_MIN_WORK = attention.PARALLEL_MIN_WORK
 # Values below which one thread quantizes activations faster than two (Xeon, avx512: 8 x 576 serial
 # 1.8 us, parallel 3.0; 16 x 576 3.2 / 3.7; 32 x 576 5.8 / 5.0; 16 x 1536 7.2 / 5.8).
 QUANTIZE_PARALLEL_MIN = 16384
@@ -153,7 +152,7 @@ def _layer(num, first, args, meta):
         _write_s(q, k_cache, v_cache, slots[:num], num_heads * head_dim, num_kv * head_dim)  # noqa: F821
     if _splits(num, cu_q, pos.max() + 1, num_heads, num_kv):  # noqa: F821  (a long decode batch)
         _attend_split(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out, threads)  # noqa: F821
-    elif num * num_heads * (pos.max() + 1) >= PARALLEL_MIN_WORK:
+    elif threads > 1:  # the matmuls keep the pool awake: both threads pay even at a few keys
         _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
     else:
         _attend_s(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
