@@ -4,6 +4,7 @@ hidden states a head sees equal an independent forward's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import gguf
@@ -190,6 +191,20 @@ def test_request_picks_another_method_and_unknown_methods_are_400s(spec_engine, 
         assert not target.has_unfinished()
 
 
+@contextlib.contextmanager
+def fixed_costs(controller):
+    """The controller with a fixed cost model (a verify curve and draft cost measured once on the 2-core CPU)
+    and no learned rates, instead of the start-up timings of whatever machine runs the test: which source
+    drafts at each step depends on them, and the test must make the same choices everywhere."""
+    saved = controller.verify_cost, controller.t1_seconds, controller.draft_cost, controller.prior
+    controller.verify_cost = np.array([0.0, 1.0, 1.14, 1.24, 1.35, 1.5])  # [max_k + 2], in plain steps
+    controller.t1_seconds, controller.draft_cost, controller.prior = 0.0, {"mtp": 0.13}, {}  # t1 0: no timing
+    try:
+        yield
+    finally:
+        controller.verify_cost, controller.t1_seconds, controller.draft_cost, controller.prior = saved
+
+
 @pytest.mark.parametrize("name", ["mtp_ngram_first", "mtp_with_ngram"])
 def test_hybrids_draft_from_each_source_and_the_engine_judges_them_apart(name, spec_engine, reference):
     """Both sources draft in one request (ngram_first: the lookup where the text repeats; with_ngram: the
@@ -197,12 +212,15 @@ def test_hybrids_draft_from_each_source_and_the_engine_judges_them_apart(name, s
     its own record."""
     engine = spec_engine(name)
     assert engine.proposer.draft_sources == ("ngram", "mtp")
-    engine.add_request(Generate(f"sources-{name}", GREEDY, prompt=PROMPTS[1]))
-    seq, drafted_by, tokens = engine.seqs[f"sources-{name}"], [], []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += out.token_ids
-        drafted_by.append(engine.draft_source.get(f"sources-{name}"))
+    with fixed_costs(engine.controller):
+        for prompt in PROMPTS:  # the server-wide rates new requests start from: learned on these first
+            generate(engine, [prompt], GREEDY)
+        engine.add_request(Generate(f"sources-{name}", GREEDY, prompt=PROMPTS[1]))
+        seq, drafted_by, tokens = engine.seqs[f"sources-{name}"], [], []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.token_ids
+            drafted_by.append(engine.draft_source.get(f"sources-{name}"))
     assert tokens == reference[1]
     assert set(seq.draft_stats) == {"ngram", "mtp"}
     assert {"ngram", "mtp"} <= set(drafted_by)  # both sources drafted in this request
