@@ -17,6 +17,7 @@ from engine.generate import generate
 from engine.model.gguf_loader import GGUFModel
 from engine.serving.protocol import ChatMessage, Generate, SamplingParams
 from random_heads import write_random_head
+from test_spec_control import CPU_CURVE, HEAD_COST
 from tiny_models import copy_tokenizer
 
 PROMPTS = [
@@ -197,8 +198,8 @@ def fixed_costs(controller):
     and no learned rates, instead of the start-up timings of whatever machine runs the test: which source
     drafts at each step depends on them, and the test must make the same choices everywhere."""
     saved = controller.verify_cost, controller.t1_seconds, controller.draft_cost, controller.prior
-    controller.verify_cost = np.array([0.0, 1.0, 1.14, 1.24, 1.35, 1.5])  # [max_k + 2], in plain steps
-    controller.t1_seconds, controller.draft_cost, controller.prior = 0.0, {"mtp": 0.13}, {}  # t1 0: no timing
+    controller.verify_cost = CPU_CURVE.copy()  # [max_k + 2], in plain steps
+    controller.t1_seconds, controller.draft_cost, controller.prior = 0.0, {"mtp": HEAD_COST}, {}  # t1 0: no timing
     try:
         yield
     finally:
