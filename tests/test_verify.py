@@ -254,6 +254,20 @@ def test_target_probs_at_full_vocab_with_tied_logits(temperature, top_k, top_p):
                                    rtol=1e-9, atol=1e-15)
 
 
+
+@pytest.mark.parametrize("temperature", [1.0, 0.37, 2.5])
+def test_target_probs_exp_is_float64_exact_across_its_range(temperature):
+    # The kernels compute exp without libm (so that the vocabulary loop runs as vector code): check it
+    # against NumPy's float64 exp over the whole range it serves, from the peak down to past underflow.
+    # Below z = -708 the kernel gives 0 where NumPy gives a subnormal (< 3e-308 of the peak's mass). The
+    # kernel scales by 1 / T (one more rounding of z: a relative error up to |z| * 2**-53, ~1e-13 at -708).
+    z = -np.concatenate([[0.0], np.geomspace(1e-9, 900.0, 20_000), np.linspace(0.0, 40.0, 9_999)])
+    logits = (z * temperature).astype(np.float32)[None, :]
+    got = target_probs(logits, temperature)[0]
+    want = ref_target_probs(logits[0], temperature)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-300)
+    assert (got[(logits[0].astype(np.float64) - logits.max()) / temperature < -708.0] == 0).all()
+
 # --- statistical tests -------------------------------------------------------------------------
 
 SAMPLE_SIZES = (100, 1_000, 10_000, 100_000)

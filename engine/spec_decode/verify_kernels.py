@@ -14,6 +14,8 @@ cut falls is sorted.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -39,15 +41,13 @@ def _bucket_by_logit(row, mass, peak, low, bucket):
     # bucket[v]: 0 for the highest logits .. _NUM_BUCKETS - 1 just above `low`; -1 below `low` or
     # already excluded. Monotone in the logit, so a lower bucket never holds a higher logit: only
     # the one bucket where a cut falls has to be sorted.
-    width = (peak - low) / _NUM_BUCKETS
+    per_width = _NUM_BUCKETS / (peak - low) if peak > low else 0.0  # a product by a positive constant is monotone
     for v in range(row.shape[0]):
         x = np.float64(row[v])
         if x < low or mass[v] == 0.0:
             bucket[v] = -1
-        elif width <= 0.0:
-            bucket[v] = 0
         else:
-            bucket[v] = min(int((peak - x) / width), _NUM_BUCKETS - 1)
+            bucket[v] = min(int((peak - x) * per_width), _NUM_BUCKETS - 1)
 
 
 @njit(cache=True)
@@ -110,32 +110,83 @@ def _keep_nucleus(row, mass, total, top_p, peak, temperature, bucket):
             break
     for i in range(num_kept, order.shape[0]):
         mass[order[i]] = 0.0
-    new_total = 0.0
     for v in range(vocab):
         if bucket[v] < 0 or bucket[v] > cut:
             mass[v] = 0.0
-        new_total += mass[v]
-    return new_total
+    return _sum8(mass)
+
+
+# exp(z) for z <= 0 in float64 without a libm call, so that the loop over the vocabulary runs as vector code
+# (np.exp there is a scalar call: target_mass took 237 us for a 49,152-logit row on the Xeon, 105 us with
+# this): z = n ln2 + r, |r| <= ln2 / 2, e**r by its Taylor series to r**13
+# (truncation < 1e-16), times 2**n built from its bits. Below _EXP_MIN (e**-708 ~ 3e-308) the mass is 0.
+_LOG2E, _LN2_HI, _LN2_LO = 1.4426950408889634, 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_EXP_MIN = -708.0
+_C2, _C3, _C4, _C5, _C6, _C7, _C8, _C9, _C10, _C11, _C12, _C13 = (1.0 / math.factorial(k) for k in range(2, 14))
+_CHUNK = 256  # elements whose 2**n bits wait in a small buffer (L1) before the multiply
+
+
+@njit(cache=True)
+def _peak(row):
+    """The largest logit, in 8 interleaved partial maxima (independent chains: 8 against 22 us for a
+    49,152-logit row by argmax's scan)."""
+    tops = np.full(8, -np.inf, dtype=np.float32)
+    n8 = row.shape[0] // 8 * 8
+    for v in range(0, n8, 8):
+        for j in range(8):
+            tops[j] = row[v + j] if row[v + j] > tops[j] else tops[j]
+    best = tops.max()
+    for v in range(n8, row.shape[0]):
+        best = row[v] if row[v] > best else best
+    return np.float64(best)
+
+
+@njit(cache=True)
+def _exp_into(row, peak, inv_t, mass, bits):
+    """mass[v] = e**((row[v] - peak) * inv_t) for every v of row (len(row) <= len(bits); loops from 0, so
+    the indices are known not to wrap around and the loop runs as vector code)."""
+    for v in range(row.shape[0]):
+        z = (np.float64(row[v]) - peak) * inv_t
+        zc = z if z > _EXP_MIN else _EXP_MIN
+        n = np.rint(zc * _LOG2E)
+        r = (zc - n * _LN2_HI) - n * _LN2_LO
+        p = ((((_C13 * r + _C12) * r + _C11) * r + _C10) * r + _C9) * r + _C8
+        p = (((((p * r + _C7) * r + _C6) * r + _C5) * r + _C4) * r + _C3) * r + _C2
+        mass[v] = ((p * r * r + r) + 1.0) if z > _EXP_MIN else 0.0
+        bits[v] = np.int64(np.int32(n) + 1023) << 52  # 2**n: n in -1021..0
+    scale = bits.view(np.float64)
+    for v in range(row.shape[0]):
+        mass[v] *= scale[v]
+
+
+@njit(cache=True)
+def _sum8(mass):
+    """Sum in 8 interleaved partial sums (independent chains; a fixed order, so the same bits on every CPU)."""
+    parts = np.zeros(8)
+    n8 = mass.shape[0] // 8 * 8
+    for v in range(0, n8, 8):
+        for j in range(8):
+            parts[j] += mass[v + j]
+    total = parts.sum()
+    for v in range(n8, mass.shape[0]):
+        total += mass[v]
+    return total
 
 
 @njit(cache=True)
 def target_mass(row, temperature, top_k, top_p, mass):
     """Unnormalised p into mass[:] (float64); returns its sum Z, so p = mass / Z."""
     vocab = row.shape[0]
-    peak = np.float64(row[argmax(row)])
-    total = 0.0
-    for v in range(vocab):
-        z = (np.float64(row[v]) - peak) / temperature
-        e = np.exp(z) if z > -745.0 else 0.0  # exp underflows to 0 below -745 anyway
-        mass[v] = e
-        total += e
+    peak = _peak(row)
+    bits = np.empty(_CHUNK, dtype=np.int64)
+    for lo in range(0, vocab, _CHUNK):
+        _exp_into(row[lo : lo + _CHUNK], peak, 1.0 / temperature, mass[lo : lo + _CHUNK], bits)
+    total = _sum8(mass)
     if (0 < top_k < vocab) or top_p < 1.0:
         bucket = np.empty(vocab, dtype=np.int64)
         if 0 < top_k < vocab:
             _keep_top_k(row, mass, top_k, peak, bucket)
-            total = 0.0
-            for v in range(vocab):
-                total += mass[v]
+            total = _sum8(mass)
         if top_p < 1.0:
             total = _keep_nucleus(row, mass, total, top_p, peak, temperature, bucket)
     return total
@@ -160,6 +211,12 @@ def sample(mass, total, u):
 def _sample_residual(mass, total, q_row, has_q, draft_id, u):
     # Residual r = max(0, p - q), normalised; for one-hot q it is p with the draft removed.
     vocab = mass.shape[0]
+    if not has_q:  # p without the draft: two vector-friendly passes instead of a division per id
+        p_draft, mass[draft_id] = mass[draft_id], 0.0
+        rest = _sum8(mass)
+        token = sample(mass, rest, u) if rest > 0.0 else -1
+        mass[draft_id] = p_draft
+        return token if token >= 0 else sample(mass, total, u)
     r_total = 0.0
     for v in range(vocab):
         q = (q_row[v] if has_q else (1.0 if v == draft_id else 0.0))
