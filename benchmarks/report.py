@@ -36,13 +36,14 @@ def _sum_raw(raws: list[dict]) -> dict:
     return out
 
 
-def derive(raw: dict, base: dict) -> dict:
-    """One row's metrics from its raw sums and the baseline's raw sums for the same prompts."""
+def derive(raw: dict, base: dict, sampled: bool = False) -> dict:
+    """One row's metrics from its raw sums and the baseline's raw sums for the same prompts (sampled: the
+    outputs are not compared, `identical` is None)."""
     steps = raw["engine_steps"]
     tok_s = _ratio(raw["output_tokens"], raw["wall_s"])
     base_tok_s = _ratio(base["output_tokens"], base["wall_s"])
     mismatches = [{"prompt_id": pid, "first_diff": _first_diff(ids, base["token_ids"].get(pid, []))}
-                  for pid, ids in raw["token_ids"].items() if ids != base["token_ids"].get(pid)]
+                  for pid, ids in raw["token_ids"].items() if ids != base["token_ids"].get(pid) and not sampled]
     num_drafts = raw["num_drafts"]
     return {
         "al": 1 + raw["num_accepted_tokens"] / num_drafts if num_drafts else None,
@@ -59,8 +60,8 @@ def derive(raw: dict, base: dict) -> dict:
         "tok_s": tok_s,
         "speedup": _ratio(tok_s, base_tok_s) if tok_s is not None else None,
         "tpot_ms": 1000 * raw["tpot_s_sum"] / raw["tpot_count"] if raw["tpot_count"] else None,
-        "identical": len(mismatches) == 0,
-        "num_identical": raw["num_prompts"] - len(mismatches),
+        "identical": None if sampled else len(mismatches) == 0,
+        "num_identical": None if sampled else raw["num_prompts"] - len(mismatches),
         "mismatches": mismatches,
         "forward_ms_per_step": _ms(raw["forward_s"], steps),
         "propose_ms_per_step": _ms(raw["propose_s"], steps),
@@ -82,7 +83,8 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def make_rows(raw: dict, baseline: str, modes: list[str], categories: list[str], labels: list[str]) -> list[dict]:
+def make_rows(raw: dict, baseline: str, modes: list[str], categories: list[str], labels: list[str],
+              sampled: bool = False) -> list[dict]:
     """raw[(mode, category, label)] -> rows for every (mode, category or "all", method)."""
     rows = []
     for mode in modes:
@@ -90,7 +92,7 @@ def make_rows(raw: dict, baseline: str, modes: list[str], categories: list[str],
             cats = categories if cat == "all" else [cat]
             base = _sum_raw([raw[(mode, c, baseline)] for c in cats])
             for label in labels:
-                row = derive(_sum_raw([raw[(mode, c, label)] for c in cats]), base)
+                row = derive(_sum_raw([raw[(mode, c, label)] for c in cats]), base, sampled)
                 rows.append({"mode": mode, "category": cat, "method": label, **row})
     return rows
 
@@ -129,9 +131,10 @@ def targets(result: dict) -> list[dict]:
                            f"best: {best['method']} {_f(best['speedup'])}x, "
                            f"{_f(best['grammar_token_share'], '{:.0%}')} of tokens from the grammar"))
     out += _learned_targets(result, [r for r in spec_rows if r["mode"] == "batch1"])
-    lossless = all(r["identical"] for r in rows)
-    out.append(_target("greedy outputs identical to the baseline", lossless,
-                       "all rows" if lossless else "see the identical column"))
+    if all(r["identical"] is not None for r in rows):  # greedy runs only: sampled outputs are not compared
+        lossless = all(r["identical"] for r in rows)
+        out.append(_target("greedy outputs identical to the baseline", lossless,
+                           "all rows" if lossless else "see the identical column"))
     return out
 
 
@@ -181,7 +184,8 @@ COLUMNS = [("category", "{}"), ("method", "{}"), ("AL", "al"), ("tok/step", "tok
 
 
 def _cells(row: dict) -> list[str]:
-    ident = "yes" if row["identical"] else f"NO {row['num_identical']}/{row['num_prompts']}"
+    ident = ("n/a (sampled)" if row["identical"] is None else "yes" if row["identical"]
+             else f"NO {row['num_identical']}/{row['num_prompts']}")
     return [row["category"], row["method"], _f(row["al"]), _f(row["tokens_per_step"]),
             _f(row["draft_acceptance_rate"], "{:.0%}"), _f(row["tok_s"], "{:.1f}"),
             _f(row["speedup"], "{:.2f}x"), _f(row["grammar_token_share"], "{:.0%}"), ident,
@@ -224,7 +228,9 @@ def _md_table(head: list[str], body: list[list[str]]) -> list[str]:
 
 def format_markdown(result: dict) -> str:
     cfg = result["config"]
-    setup = (f"model `{cfg.get('model', '?')}`, greedy, max_tokens {cfg['max_tokens']}, repeats {cfg['repeats']}, "
+    decoding = (f"sampled at temperature {cfg['temperature']}, top_p {cfg.get('top_p', 1.0)}, seed {cfg.get('seed')}"
+                if cfg.get("temperature", 0.0) > 0 else "greedy")
+    setup = (f"model `{cfg.get('model', '?')}`, {decoding}, max_tokens {cfg['max_tokens']}, repeats {cfg['repeats']}, "
              f"machine {cfg['machine']}, load avg before {cfg.get('load_avg_1m_before', '?')}")
     lines = ["# speculant bench spec", "", setup, ""] + ([f"**{_load_note(cfg)}**", ""] if _load_note(cfg) else [])
     lines += [f"- `{label}`: {json.dumps(spec) if spec else 'no speculation (baseline)'}"

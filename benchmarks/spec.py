@@ -3,12 +3,14 @@
     speculant bench spec --max-tokens 96 --methods none,ngram,suffix --concurrency 4 --out results/
 
 For every method (always with `none`, plain decoding, as the baseline) and prompt category it
-runs greedy generation at batch 1 (prompts one at a time) and under concurrency (the category's
+runs generation at batch 1 (prompts one at a time) and under concurrency (the category's
 prompts submitted together, `--concurrency` at a time), and reports the mean acceptance length
 (vLLM's AL = 1 + accepted / drafts, over verify steps that had drafts), per-position acceptance,
 output tokens/s, the speedup over the baseline on the same prompts, whether the output tokens
 equal the baseline's (greedy speculation must be lossless), and where a step's time goes
-(forward, proposer, the rest of the Python step).
+(forward, proposer, the rest of the Python step). Greedy by default; `--temperature` above 0 samples
+(every request seeded with `--seed`), and then outputs are not compared: speculation with rejection
+sampling keeps the distribution, not the tokens (the tests check the distribution).
 
 Fairness: one engine per method, built once; every engine is warmed up on every prompt first
 (JIT compiled, prompt KV in the prefix cache), the methods run interleaved per category (with
@@ -57,6 +59,9 @@ def parse(argv):
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB per engine")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, every request seeded")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature above 0)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of every sampled request")
     p.add_argument("--out", default=None, help="directory for spec.json, spec.md (and plots)")
     return p.parse_args(argv)
 
@@ -173,8 +178,10 @@ def warm_up(engine, prompts: list[BenchPrompt], concurrency: int, max_tokens: in
 
 
 def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *, max_tokens: int = 128,
-                   concurrency: int = 4, repeats: int = 1, progress: bool = True) -> dict:
-    """Benchmark already-built engines (label -> LLMEngine; exactly one without speculation)."""
+                   concurrency: int = 4, repeats: int = 1, progress: bool = True, temperature: float = 0.0,
+                   top_p: float = 1.0, seed: int = 0) -> dict:
+    """Benchmark already-built engines (label -> LLMEngine; exactly one without speculation); temperature 0:
+    greedy, else sampled with top_p, every request seeded with `seed` (each repeat draws the same tokens)."""
     baselines = [label for label, e in engines.items() if e.proposer is None]
     if len(baselines) != 1:
         raise ValueError(f"engines: need exactly one engine without speculation as the baseline, got {len(baselines)}")
@@ -187,12 +194,17 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         raise ValueError("max_tokens: must be >= 1")
     if repeats < 1:
         raise ValueError("repeats: must be >= 1")
+    if not 0.0 <= temperature <= 100.0:
+        raise ValueError("temperature: must be in [0, 100]")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError("top_p: must be in (0, 1]")
     modes = [("batch1", 1)] + ([("concurrent", concurrency)] if concurrency > 1 else [])
     groups = by_category(prompts)
     share_verify_curve(engines.values())
     for engine in engines.values():
         warm_up(engine, prompts, concurrency, max_tokens)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    sampled = temperature > 0.0
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed if sampled else None)
     # repeats go round all the methods in turn, so a slow spell of the machine hits every method alike
     blocks = [(mode, n, cat, label) for mode, n in modes for cat in groups for _ in range(repeats) for label in engines]
     raw = {}
@@ -202,13 +214,14 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
             raw[(mode, cat, label)] = run  # the fastest repeat
     return {
         "config": {
-            "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats, "temperature": 0.0,
+            "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats, "temperature": temperature,
+            "top_p": top_p, "seed": seed if sampled else None,
             "categories": {c: [p.prompt_id for p in ps] for c, ps in groups.items()},
             "modes": {mode: n for mode, n in modes}, "machine": machine_info(),
         },
         "baseline": baselines[0],
         "methods": {label: _spec_dict(e) for label, e in engines.items()},
-        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines)),
+        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines), sampled),
     }
 
 
@@ -289,6 +302,10 @@ def main(argv=None) -> int:
         for flag in ("max_tokens", "repeats"):
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')}: must be >= 1")
+        if not 0.0 <= args.temperature <= 100.0:
+            raise ValueError("--temperature: must be in [0, 100]")
+        if not 0.0 < args.top_p <= 1.0:
+            raise ValueError("--top-p: must be in (0, 1]")
         if args.per_category is not None and args.per_category < 1:
             raise ValueError("--per-category: must be >= 1")
         configs = method_configs(args.methods, args.method, args.num_speculative_tokens)
@@ -299,7 +316,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     engines = {label: build_engine(args, cfg, args.concurrency) for label, cfg in configs.items()}
     result = run_spec_bench(engines, prompts, max_tokens=args.max_tokens, concurrency=args.concurrency,
-                            repeats=args.repeats)
+                            repeats=args.repeats, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     result["config"].update(model=args.model, threads=args.threads, load_avg_1m_before=round(load_before, 2))
     print(report.format_table(result))
     if args.out:
