@@ -180,9 +180,10 @@ def target_mass(row, temperature, top_k, top_p, mass):
     """Unnormalised p into mass[:] (float64); returns its sum Z, so p = mass / Z."""
     vocab = row.shape[0]
     peak = _extreme(row, np.float32(1.0))
+    inv_t = 1.0 / temperature
     bits = np.empty(_CHUNK, dtype=np.int64)
     for lo in range(0, vocab, _CHUNK):
-        _exp_into(row[lo : lo + _CHUNK], peak, 1.0 / temperature, mass[lo : lo + _CHUNK], bits)
+        _exp_into(row[lo : lo + _CHUNK], peak, inv_t, mass[lo : lo + _CHUNK], bits)
     total = _sum8(mass)
     if (0 < top_k < vocab) or top_p < 1.0:
         bucket = np.empty(vocab, dtype=np.int64)
@@ -221,8 +222,7 @@ def _sample_residual(mass, total, q_row, has_q, draft_id, u):
         return token if token >= 0 else sample(mass, total, u)
     r_total = 0.0
     for v in range(vocab):
-        q = (q_row[v] if has_q else (1.0 if v == draft_id else 0.0))
-        r = mass[v] / total - q
+        r = mass[v] / total - q_row[v]
         if r > 0.0:
             r_total += r
     if r_total <= 0.0:  # p == q up to rounding: rejection was (almost) impossible
@@ -231,8 +231,7 @@ def _sample_residual(mass, total, q_row, has_q, draft_id, u):
     cum = 0.0
     last = 0
     for v in range(vocab):
-        q = (q_row[v] if has_q else (1.0 if v == draft_id else 0.0))
-        r = mass[v] / total - q
+        r = mass[v] / total - q_row[v]
         if r > 0.0:
             cum += r
             last = v
