@@ -34,9 +34,9 @@ def test_split_decode_gives_the_tiles_bits(cache, head_dim, heads, window, monke
 @pytest.mark.parametrize("runs, split", [([(1500, 1), (20, 1)], True), ([(300, 1)] * 4, True), ([(300, 1)], False),
                                          ([(300, 1), (200, 1)], False), ([(1500, 2)], False)])
 def test_paged_attention_splits_long_or_wide_decode_batches_only(runs, split, monkeypatch):
-    """The Python entry point runs a decode batch that sees SPLIT_MIN_KEYS keys, or whose requests x keys
-    reach SPLIT_MIN_WORK, through the split phases (a short one, or a run of several tokens, through the
-    tiles), and gets the tiles' bits either way."""
+    """The Python entry point runs a decode batch whose requests x keys of the longest reach SPLIT_MIN_KEYS
+    (one long request, or several shorter ones) through the split phases (a short or narrow one, or a run of
+    several tokens, through the tiles), and gets the tiles' bits either way."""
     case = TA.make_case(64, 16, runs, seed=3)
     calls = []
     monkeypatch.setattr(A, "decode_attention", lambda *a: calls.append(1) or decode_attention(*a))

@@ -30,20 +30,17 @@ from engine.kernels.attention_vec import _scores, _softmax, cache_parts, first_k
 from engine.kernels.kv_prefetch import KEY_CHUNKS_AHEAD, VALUE_BLOCKS_AHEAD
 from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 
-# Keys (of the longest request) from which a decode batch takes this path: three phases cost two more
-# wake-ups of the threads than one. Measured on the Xeon (avx512, 2 threads), one request, SmolLM2's 30
-# layers, tiles -> split: fp16 cache 0.46 -> 0.56 ms at 300 keys, 0.69 -> 0.75 at 512, 1.19 -> 1.13 at
+# Requests x keys (of the longest request) from which a decode batch takes this path: three phases cost two
+# more wake-ups of the threads than one. Measured on the Xeon (avx512, 2 threads), SmolLM2's 30 layers,
+# tiles -> split. One request, fp16 cache: 0.46 -> 0.56 ms at 300 keys, 0.69 -> 0.75 at 512, 1.19 -> 1.13 at
 # 1,000, 2.38 -> 2.04 at 2,000 (46 MB of K/V in 2.04 ms: 22.5 GB/s; a plain vector read runs at ~32); int8
-# cache 1.94 -> 1.83 ms at 2,000.
+# cache 1.94 -> 1.83 ms at 2,000. Several requests: the tiles split a KV group's heads in two items of 2 and
+# 1 rows per request, while this path's tiles of the whole group share each K/V load; forward of the decode
+# batch against a second copy of the tiles' build: 2 requests at 512 keys 7.04 -> 6.54 ms, 3 at 400 8.27 ->
+# 7.71, 4 at 256 8.13 -> 7.60, 8 at 300 12.13 -> 11.06, 16 at 300 21.23 -> 18.82, 8 at 600 17.88 -> 15.19
+# (distinct contexts; 8 requests sharing a 288-token prefix: 7.83 -> 7.57 at 300); 2 at 300 (600, left on
+# the tiles) 6.28 against 6.03 split, within noise.
 SPLIT_MIN_KEYS = 1024
-# Requests x keys (of the longest) from which a decode batch of several requests takes this path even when
-# its keys are fewer: the tiles split a KV group's heads in two items of 2 and 1 rows per request, and this
-# path's tiles of the whole group share each K/V load. Measured on the Xeon (avx512, 2 threads), SmolLM2's
-# 30 layers, forward of the decode batch, tiles -> split, against a second copy of the tiles' build: 2
-# requests at 512 keys 7.04 -> 6.54 ms, 3 at 400 8.27 -> 7.71, 4 at 256 8.13 -> 7.60, 8 at 300 12.13 ->
-# 11.06, 16 at 300 21.23 -> 18.82, 8 at 600 17.88 -> 15.19 (distinct contexts; 8 requests sharing a 288-token
-# prefix: 7.83 -> 7.57 at 300); 2 at 300 (600, left on the tiles) 6.28 against 6.03 split, within noise.
-SPLIT_MIN_WORK = 1024
 
 
 @nb.njit(cache=True, inline="always")
@@ -54,13 +51,12 @@ def _tile_rows(group):
 
 @nb.njit(cache=True)
 def splits(num_tokens, cu_q, num_keys, num_heads, num_kv):
-    """Whether a batch takes this path: a decode batch (one token per request) whose longest request sees
-    SPLIT_MIN_KEYS keys or more, or whose requests x that many keys reach SPLIT_MIN_WORK, with up to 8 query
-    heads per KV head, and the group's padding rows (read as queries, never used) inside a qkv row
-    ((heads + 2 kv) * head_dim)."""
+    """Whether a batch takes this path: a decode batch (one token per request) whose requests x the keys of
+    its longest request reach SPLIT_MIN_KEYS, with up to 8 query heads per KV head, and the group's padding
+    rows (read as queries, never used) inside a qkv row ((heads + 2 kv) * head_dim)."""
     group = num_heads // num_kv
-    return (num_tokens == cu_q.shape[0] - 1 and (num_keys >= SPLIT_MIN_KEYS or num_tokens * num_keys >= SPLIT_MIN_WORK)
-            and group <= 8 and _tile_rows(group) - group <= 2 * num_kv)
+    return (num_tokens == cu_q.shape[0] - 1 and num_tokens * num_keys >= SPLIT_MIN_KEYS and group <= 8
+            and _tile_rows(group) - group <= 2 * num_kv)
 
 
 @nb.njit(cache=True)
