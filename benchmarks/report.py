@@ -43,7 +43,7 @@ def derive(raw: dict, base: dict, sampled: bool = False) -> dict:
     tok_s = _ratio(raw["output_tokens"], raw["wall_s"])
     base_tok_s = _ratio(base["output_tokens"], base["wall_s"])
     mismatches = [{"prompt_id": pid, "first_diff": _first_diff(ids, base["token_ids"].get(pid, []))}
-                  for pid, ids in raw["token_ids"].items() if ids != base["token_ids"].get(pid) and not sampled]
+                  for pid, ids in raw["token_ids"].items() if not sampled and ids != base["token_ids"].get(pid)]
     num_drafts = raw["num_drafts"]
     return {
         "al": 1 + raw["num_accepted_tokens"] / num_drafts if num_drafts else None,
