@@ -99,16 +99,21 @@ def test_matches_float64_reference_of_the_same_quantized_arithmetic(tensors, nam
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_every_isa_path_gives_the_portable_paths_bits(tensors, name):
+    """Every tile shape on every path: 9 (8 + 1 on avx512, 4 + the pair 4 + 1 elsewhere), 5 and 6 (pairs
+    4 + 1, 4 + 2), 7 without a spare row (a pair 4 + 2, then 1), 14 (8 + the pair 4 + 2 on avx512)."""
     w = pack_gguf_tensor(tensors[name], "int8")
-    x = np.random.default_rng(2).standard_normal((9, w.k)).astype(np.float32) * 3
-    portable = run(x, w, "portable")
-    for path in int_linear.runnable_paths():
-        np.testing.assert_array_equal(run(x, w, path), portable, err_msg=path)
+    rng = np.random.default_rng(2)
+    for num_tokens in (9, 5, 6, 7, 14):
+        x = rng.standard_normal((num_tokens, w.k)).astype(np.float32) * 3
+        portable = run(x, w, "portable")
+        for path in int_linear.runnable_paths():
+            np.testing.assert_array_equal(run(x, w, path), portable, err_msg=f"{path} T={num_tokens}")
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_rows_are_bit_identical_whatever_the_batch(tensors, name):
-    """Row t depends only on x[t]: any T (tiles of 8 on avx512, 4, 2, 1), any position, any neighbours."""
+    """Row t depends only on x[t]: any T (tiles of 8 on avx512, 4, 2, 1, pairs 4 + 1 and 4 + 2), any position,
+    any neighbours."""
     w = pack_gguf_tensor(tensors[name], "int8")
     rng = np.random.default_rng(3)
     pool = rng.standard_normal((24, w.k)).astype(np.float32)

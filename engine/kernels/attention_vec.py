@@ -5,7 +5,8 @@ dims of one key and head share a scale, kept in float32 beside the values; head_
 of 32). Work: a chunk of up to TOKENS_PER_ITEM (4, or 8 with AVX-512)
 consecutive tokens of one request x one KV head x one half of its group's query heads (so two
 threads share an odd number of KV heads evenly: decode attention at 2,000 tokens 117 -> 92 us
-per layer on SmolLM2's 3 KV heads; decode batches from 1,024 keys: attention_split). A tile is up to
+per layer on SmolLM2's 3 KV heads; decode batches from 1,024 keys: attention_split), handed to the
+threads as one run each, balanced by query rows x keys (`_runs`). A tile is up to
 TOKENS_PER_ITEM query rows sharing every K and V load: the heads of the KV group for a single token,
 the item's heads x the chunk's tokens where they fit one tile (a verify of 4 on 2 heads), or else one
 head of the chunk's tokens. Row r attends to keys lo_r .. n_r - 1, n_r = keys0 + (r % period) * inc
@@ -233,11 +234,28 @@ def _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, num
             out[t0 + t, (h0 + i) * hd : (h0 + i + 1) * hd] = o_rows[i * num_tokens + t]
 
 
-@nb.njit(cache=True, inline="always")
-def _zigzag(i, n):
-    """The i-th of n chunks taken from both ends in turn (0, n-1, 1, n-2, ...): a causal prompt's chunks
-    grow in cost, and prange hands each thread a contiguous range, so this evens the threads' work."""
-    return i // 2 if i % 2 == 0 else n - 1 - i // 2
+@nb.njit(cache=True)
+def _runs(costs, threads):
+    """Items as one run per thread, the costliest first to the least loaded thread (Numba's prange hands each
+    thread one contiguous range of equal length, whatever its items cost: a verify of 9 tokens is a chunk
+    of 8 and one of 1, and one thread got all of the first). Returns (items in run order, run starts
+    [threads + 1]); an item's result does not depend on its thread."""
+    loads = np.zeros(threads, np.int64)
+    owner = np.empty(costs.shape[0], np.int64)
+    for i in np.argsort(-costs, kind="mergesort"):
+        t = np.argmin(loads)
+        owner[i] = t
+        loads[t] += costs[i]
+    starts = np.zeros(threads + 1, np.int64)
+    for i in range(costs.shape[0]):
+        starts[owner[i] + 1] += 1
+    starts = np.cumsum(starts)
+    order = np.empty(costs.shape[0], np.int64)
+    filled = starts[:threads].copy()
+    for i in range(costs.shape[0]):
+        order[filled[owner[i]]] = i
+        filled[owner[i]] += 1
+    return order, starts
 
 
 def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out):
@@ -245,9 +263,8 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
     float32 or fp16 array, or an int8 cache's (values, scales) pair (see cache_parts). See the module docstring."""
     k_cache, k_scale = cache_parts(k_entry)
     v_cache, v_scale = cache_parts(v_entry)
-    num_kv, hd, bs = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+    num_kv = k_cache.shape[0]
     group = num_heads // num_kv
-    qs, os_ = qkv.shape[1], out.shape[1]
     num_reqs = cu_q.shape[0] - 1
     firsts = np.empty(qkv.shape[0], np.int32)  # first token of each chunk
     owners = np.empty(qkv.shape[0], np.int32)  # its request
@@ -257,25 +274,51 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
             firsts[num_chunks], owners[num_chunks] = t, r
             num_chunks += 1
     half = (group + 1) // 2  # each KV head's query rows in two items, so 2 threads share 3 KV heads evenly
-    for item in nb.prange(num_chunks * num_kv * 2):
-        chunk, kvh, part = _zigzag(item // (2 * num_kv), num_chunks), item // 2 % num_kv, item % 2
-        first, last = part * half, min(group, (part + 1) * half)  # this item's rows of the group
-        if first >= last:
-            continue
-        t0, r = firsts[chunk], owners[chunk]
-        num_tokens = min(TOKENS_PER_ITEM, cu_q[r + 1] - t0)
-        keys0 = positions[t0] + 1
-        scores = np.empty((TOKENS_PER_ITEM, (keys0 + num_tokens - 1 + bs - 1) // bs * bs), np.float32)  # [tile rows, keys]
-        inv = np.empty(TOKENS_PER_ITEM, np.float32)
-        table = block_tables[r]
-        h0 = kvh * group + first
-        if num_tokens == 1:  # the group's heads share the loads
-            _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
-                   kvh, keys0, 0, 1, window, last - first, scale, out, scores, inv)
-        elif (last - first) * num_tokens <= TOKENS_PER_ITEM:  # the item's heads x the chunk's tokens share them
-            _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, last - first, num_tokens, kvh,
-                             keys0, window, scale, out, scores, inv)
-        else:  # per head, the chunk's tokens share the loads
-            for h in range(h0, kvh * group + last):
-                _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
-                       kvh, keys0, 1, num_tokens, window, num_tokens, scale, out, scores, inv)
+    num_items = num_chunks * num_kv * 2
+    if num_chunks == 1:  # one request's few tokens: prange's equal ranges are the balance there is
+        for item in nb.prange(num_items):
+            kvh, part = item // 2, item % 2
+            _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, firsts[0], owners[0], cu_q, positions,
+                  kvh, part * half, min(group, (part + 1) * half), group, window, scale, out)
+        return
+    costs = np.empty(num_items, np.int64)  # query rows x keys
+    for item in range(num_items):
+        chunk, part = item // (2 * num_kv), item % 2
+        rows = max(0, min(group, (part + 1) * half) - part * half)
+        num_tokens = min(TOKENS_PER_ITEM, cu_q[owners[chunk] + 1] - firsts[chunk])
+        keys = positions[firsts[chunk]] + num_tokens
+        costs[item] = rows * num_tokens * (min(keys, window + num_tokens) if window > 0 else keys)
+    threads = nb.get_num_threads()
+    order, starts = _runs(costs, threads)
+    for t in nb.prange(threads):
+        for i in range(starts[t], starts[t + 1]):
+            item = order[i]
+            chunk, kvh, part = item // (2 * num_kv), item // 2 % num_kv, item % 2
+            _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, firsts[chunk], owners[chunk], cu_q, positions,
+                  kvh, part * half, min(group, (part + 1) * half), group, window, scale, out)
+
+
+@nb.njit(cache=True)
+def _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, t0, r, cu_q, positions, kvh, first, last, group,
+          window, scale, out):
+    """Query heads first..last - 1 of KV head kvh's group x the chunk of tokens from t0 of request r."""
+    if first >= last:
+        return
+    hd, bs = k_cache.shape[2], k_cache.shape[3]
+    qs, os_ = qkv.shape[1], out.shape[1]
+    num_tokens = min(TOKENS_PER_ITEM, cu_q[r + 1] - t0)
+    keys0 = positions[t0] + 1
+    scores = np.empty((TOKENS_PER_ITEM, (keys0 + num_tokens - 1 + bs - 1) // bs * bs), np.float32)  # [tile rows, keys]
+    inv = np.empty(TOKENS_PER_ITEM, np.float32)
+    table = block_tables[r]
+    h0 = kvh * group + first
+    if num_tokens == 1:  # the group's heads share the loads
+        _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
+               kvh, keys0, 0, 1, window, last - first, scale, out, scores, inv)
+    elif (last - first) * num_tokens <= TOKENS_PER_ITEM:  # the item's heads x the chunk's tokens share them
+        _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, last - first, num_tokens, kvh,
+                         keys0, window, scale, out, scores, inv)
+    else:  # per head, the chunk's tokens share the loads
+        for h in range(h0, kvh * group + last):
+            _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
+                   kvh, keys0, 1, num_tokens, window, num_tokens, scale, out, scores, inv)

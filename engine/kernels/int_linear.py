@@ -2,8 +2,8 @@
 
 Each row of x is quantized on its own (blocks of 32: scale = max|x| / 127, q = round-half-even(
 x / scale), as llama.cpp's Q8_1), then every strip of 16 weight rows runs its format's tile
-(int_tiles) over tiles of 8 (AVX-512) or 4 tokens and last tiles of 2 and 1, or one padded tile
-for a last 3 or 7 (see `_gemm`). Whatever the token count, the tile width, the thread or the ISA
+(int_tiles) over tiles of 8 (AVX-512) or 4 tokens, then the last few as a pair of tiles in one pass
+(4 + 1, 4 + 2), one padded tile (a last 3 or 7) or tiles of 2 and 1 (see `_gemm`). Whatever the token count, the tile width, the thread or the ISA
 path, row t of the output is the same bits: it depends only on x[t].
 
 The ISA path is the best the CPU has (simd.PATHS), or $SPECULANT_KERNEL_PATH if set.
@@ -25,12 +25,13 @@ from engine.kernels.ops import _pick, _twice
 from engine.kernels.simd_quant import quantize_blocks
 from engine.kernels.simd import PATHS, specialize, specialize_family, store_first_rows, store_rows
 
-TILES = {"q4_0": "legacy_tile", "q4_1": "legacy_tile", "q5_0": "legacy_tile", "q5_1": "legacy_tile",
-         "q8_0": "q8_0_tile", "q4_k": "kquant_tile", "q5_k": "kquant_tile", "q6_k": "q6_k_tile"}
-_TILE_FUNCTIONS = {name: getattr(int_tiles, name) for name in
-                   ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "legacy_tile", "q8_0_tile", "kquant_tile", "q6_k_tile")}
+# format -> the prefix of its int_tiles functions (a block's update, and the prefetch of its weights)
+BLOCKS = {"q4_0": "legacy", "q4_1": "legacy", "q5_0": "legacy", "q5_1": "legacy", "q8_0": "q8_0", "q4_k": "kquant",
+          "q5_k": "kquant", "q6_k": "q6_k"}
+_SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "tile", "pair")
 _kernels: dict = {}
 EIGHT_TOKEN_PATHS = ("avx512",)  # 32 vector registers of 16 lanes hold a tile of 8 tokens
+PAIR_PATHS = ("avx512", "vnni", "avx2")  # paths that run a last 5 or 6 tokens as a pair of tiles
 _lock = threading.Lock()
 _scratch = threading.local()
 
@@ -78,41 +79,72 @@ _QUANTIZE = _twice(_quantize_rows)
 
 
 def _gemm(w, x, out, col0, n):
-    """out[:, col0:col0+n] = x @ W.T for every strip (prange) and token tile; `_tile` is bound per format.
+    """out[:, col0:col0+n] = x @ W.T for every strip (prange) and token tile; `_tile`, `_pair` are bound per format.
 
-    Tiles of 8 tokens (`EIGHT`: paths with 32 vector registers), 4, then 2, then 1: odd vector widths
-    (3 x 16 lanes) compile to slow code. The rows computed are out's; x may hold a spare row after
-    them (`QuantRows.quantize(spare=True)` and the layers' `_quantized` give one), and then a last 3
-    (or 7) tokens run as one padded tile of 4 (or 8) whose last row is not stored: the same bits per
-    row (each row's sums and combine are its own), one pass over the strip instead of 2 + 1 (or
-    4 + 2 + 1). Xeon, whole forward at 300 tokens of context: T = 3 5.39 -> 4.89 ms (T = 4: 5.04),
-    T = 7 8.93 -> 7.57 ms (T = 8: 7.33).
+    Passes over each strip as `_next_pass` plans them: tiles of 8 tokens (`EIGHT`: paths with 32 vector
+    registers) or 4, then the last few. Odd vector widths (3 x 16 lanes) compile to slow code, so a rest
+    of 5 or 6 runs as a pair of tiles (4 + 1, 4 + 2) in one pass, and a rest of 3 (or 7) as one padded
+    tile of 4 (or 8) when x holds a spare row after the rows computed (`QuantRows.quantize(spare=True)`
+    and the layers' `_quantized` give one); the padded row is not stored. Each row's sums and combine are
+    its own, so every plan gives the same bits per row. One call site per kind of pass keeps the
+    compile short. Xeon, whole forward at 300 tokens of context: T = 3 5.39 -> 4.89 ms and T = 7 8.93 ->
+    7.57 from the padded tiles (T = 4: 5.04, T = 8: 7.33); T = 5 6.53-6.75 -> 5.87-6.25 ms and T = 6
+    7.10-7.31 -> 6.38-6.84 from the pairs (T = 4: 5.18-5.61).
     """
     num_tokens = min(out.shape[0], x[0].shape[0])
     room = x[0].shape[0]  # rows of x that may be read
     stride = out.shape[1]
     for s in nb.prange((n + 15) // 16):
         rows = min(16, n - 16 * s)
-        o = col0 + 16 * s
         t0 = 0
-        if EIGHT:  # noqa: F821  (bound per path by specialize)
-            while num_tokens - t0 >= 8:
-                store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 8), rows)  # noqa: F821
-                t0 += 8
-            if num_tokens - t0 == 7 and room - t0 >= 8:
-                store_first_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 8), rows, 7)  # noqa: F821
-                t0 += 7
-        while num_tokens - t0 >= 4:
-            store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 4), rows)  # noqa: F821
-            t0 += 4
-        if num_tokens - t0 == 3 and room - t0 >= 4:
-            store_first_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 4), rows, 3)  # noqa: F821
-            t0 += 3
-        if num_tokens - t0 >= 2:
-            store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 2), rows)  # noqa: F821
-            t0 += 2
-        if num_tokens - t0 == 1:
-            store_rows(out, t0 * stride + o, stride, _tile(w, x, s, t0, 1), rows)  # noqa: F821
+        while t0 < num_tokens:
+            kind, count = _next_pass(num_tokens - t0, room - t0, EIGHT, PAIRS)  # noqa: F821  (bound per path)
+            at = t0 * stride + col0 + 16 * s
+            if kind == 8:
+                if EIGHT:  # noqa: F821  (a constant: other paths compile no tile of 8)
+                    f8 = _tile(w, x, s, t0, 8)  # noqa: F821
+                    if count == 8:
+                        store_rows(out, at, stride, f8, rows)
+                    else:
+                        store_first_rows(out, at, stride, f8, rows, 7)
+            elif kind == 4:
+                f4 = _tile(w, x, s, t0, 4)  # noqa: F821
+                if count == 4:
+                    store_rows(out, at, stride, f4, rows)
+                else:
+                    store_first_rows(out, at, stride, f4, rows, 3)
+            elif kind == 2:
+                store_rows(out, at, stride, _tile(w, x, s, t0, 2), rows)  # noqa: F821
+            elif kind == 1:
+                store_rows(out, at, stride, _tile(w, x, s, t0, 1), rows)  # noqa: F821
+            elif kind == 5:
+                if PAIRS:  # noqa: F821  (a constant: the portable path compiles no pairs)
+                    fa, fb = _pair(w, x, s, t0, 4, 1)  # noqa: F821
+                    store_rows(out, at, stride, fa, rows)
+                    store_rows(out, at + 4 * stride, stride, fb, rows)
+            elif PAIRS:  # noqa: F821
+                fa, fb = _pair(w, x, s, t0, 4, 2)  # noqa: F821
+                store_rows(out, at, stride, fa, rows)
+                store_rows(out, at + 4 * stride, stride, fb, rows)
+            t0 += count
+
+
+@nb.njit(cache=True, inline="always")
+def _next_pass(left, room, eight, pairs):
+    """(kind, tokens it stores) of the next pass over a strip with `left` tokens to go and `room` rows of x
+    readable from the first: kind 8, 4, 2, 1 = a tile that wide (8 and 4 maybe padded), 5 / 6 = the pair
+    4 + 1 / 4 + 2 (`pairs`: the vector paths; the portable one, a fallback, saves their compile time)."""
+    if eight and (left >= 8 or (left == 7 and room >= 8)):
+        return 8, min(left, 8)
+    if pairs and (left == 5 or left == 6):
+        return left, left
+    if left >= 4:
+        return 4, 4
+    if left == 3 and room >= 4:
+        return 4, 3
+    if left >= 2:
+        return 2, 2
+    return 1, 1
 
 
 def _traits(fmt: str) -> dict:
@@ -125,8 +157,12 @@ def kernel(fmt: str, path: str):
     key = (fmt, path)
     with _lock:
         if key not in _kernels:
-            family = specialize_family(_TILE_FUNCTIONS, path, _traits(fmt), tag=fmt)
-            _kernels[key] = specialize(_gemm, path, {"_tile": family[TILES[fmt]], "EIGHT": path in EIGHT_TOKEN_PATHS}, tag=fmt)
+            functions = {name: getattr(int_tiles, name) for name in _SHARED}  # the format's block as _block
+            functions.update(_block=getattr(int_tiles, BLOCKS[fmt] + "_block"), _ahead=getattr(int_tiles, BLOCKS[fmt] + "_ahead"))
+            family = specialize_family(functions, path, _traits(fmt), tag=fmt)
+            bind = {"_tile": family["tile"], "_pair": family["pair"], "EIGHT": path in EIGHT_TOKEN_PATHS,
+                    "PAIRS": path in PAIR_PATHS}
+            _kernels[key] = specialize(_gemm, path, bind, tag=fmt)
         return _kernels[key]
 
 

@@ -1,9 +1,11 @@
-"""Integer tiles: 16 weight rows (one strip) x TT tokens, one function per GGUF format.
+"""Integer tiles: 16 weight rows (one strip) x TT tokens; per GGUF format, one block's update.
 
 Plain Python functions, compiled per ISA path by `simd.specialize` (the ops below are bound per
-path). Arguments: w = the IntWeight's arrays (int_pack), x = QuantRows arrays (xq [T, k] int8,
-xd [T, nb] scale, xm [T, nb] = xd * sum of the block's q, xs [T, 2 nb] per-16 sums of q), s = the
-strip, t0 = the first token, tt = the literal token count. Returns float32 [tt x 16 lanes].
+path). `tile` and `pair` walk a strip's blocks and call the format's `*_block` (bound as `_block`)
+and `*_ahead` (`_ahead`) by int_linear. Arguments: w = the IntWeight's arrays (int_pack), x =
+QuantRows arrays (xq [T, k] int8, xd [T, nb] scale, xm [T, nb] = xd * sum of the block's q, xs
+[T, 2 nb] per-16 sums of q), s = the strip, b = the block, t0 = the first token, tt = the literal
+token count, f = the running float32 [tt x 16 lanes] sums.
 
 The integer sum of a block (isum) is exact. The float combine, per row, token and block in k order,
 with every product and sum rounded to float32 (nothing fused) and a fixed operation order:
@@ -77,67 +79,98 @@ def _block_isum(qs, qh, xq, wi, xi, k, tt):
     return acc_i32(a)  # noqa: F821
 
 
-def legacy_tile(w, x, s, t0, tt):
+def tile(w, x, s, t0, tt):
+    """Strip s x tokens t0 .. t0 + tt - 1 (tt literal): float32 [tt x 16 lanes]."""
+    nb = x[0].shape[1] // 32
+    f = f32_zero(tt)
+    for b in range(nb):
+        _ahead(w, s * nb + b)  # noqa: F821  (the format's, bound by int_linear)
+        f = _block(w, x, s, b, t0, tt, f)  # noqa: F821
+    return f
+
+
+def pair(w, x, s, t0, ta, tb):
+    """tile() of tokens t0.. (ta) and t0 + ta.. (tb) in one pass over the strip's blocks: the weights are
+    loaded and unpacked once for both (LLVM merges the repeated loads), and each token's sums and combine
+    are its own, so every row gets tile()'s bits. Returns (float32 [ta x 16], float32 [tb x 16])."""
+    nb = x[0].shape[1] // 32
+    fa = f32_zero(ta)
+    fb = f32_zero(tb)
+    for b in range(nb):
+        _ahead(w, s * nb + b)  # noqa: F821
+        fa = _block(w, x, s, b, t0, ta, fa)  # noqa: F821
+        fb = _block(w, x, s, b, t0 + ta, tb, fb)  # noqa: F821
+    return fa, fb
+
+
+def legacy_ahead(w, sb):
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    qs, qh, d, m = w
+    _ask_ahead(qs, sb, 256)
+    _ask_ahead(qh, sb, 64 if HIGH_BIT else 0)
+    _ask_ahead(d, sb, 16)
+    _ask_ahead(m, sb, 0 if OFFSET else 16)
+
+
+def legacy_block(w, x, s, b, t0, tt, f):
     """q4_0 / q5_0 (w = (qs, qh, d, offset), OFFSET) and q4_1 / q5_1 (w = (qs, qh, d, m)); qh has 1 byte without HIGH_BIT."""
     qs, qh, d, m = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    f = f32_zero(tt)
-    for b in range(nb):
-        _ask_ahead(qs, s * nb + b, 256)
-        _ask_ahead(qh, s * nb + b, 64 if HIGH_BIT else 0)
-        _ask_ahead(d, s * nb + b, 16)
-        _ask_ahead(m, s * nb + b, 0 if OFFSET else 16)
-        isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)
-        li, xi = (s * nb + b) * 16, t0 * nb + b
-        if OFFSET:
-            sums = i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt))
-            isum = i32_sub(isum, i32_mul(sums, i32_splat(m[0], tt)))
-        f = f32_add(f, f32_mul(f32_mul(row_f16(d, li), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
-        if not OFFSET:
-            f = f32_add(f, f32_mul(row_f16(m, li), tok_f32(xm, xi, nb, tt)))
+    isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)
+    li, xi = (s * nb + b) * 16, t0 * nb + b
+    if OFFSET:
+        sums = i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt))
+        isum = i32_sub(isum, i32_mul(sums, i32_splat(m[0], tt)))
+    f = f32_add(f, f32_mul(f32_mul(row_f16(d, li), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
+    if not OFFSET:
+        f = f32_add(f, f32_mul(row_f16(m, li), tok_f32(xm, xi, nb, tt)))
     return f
 
 
-def q8_0_tile(w, x, s, t0, tt):
+def q8_0_ahead(w, sb):
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    qs, d = w
+    _ask_ahead(qs, sb, 512)
+    _ask_ahead(d, sb, 16)
+
+
+def q8_0_block(w, x, s, b, t0, tt, f):
     """q8_0: w = (qs int8, d)."""
     qs, d = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    f = f32_zero(tt)
-    for b in range(nb):
-        _ask_ahead(qs, s * nb + b, 512)
-        _ask_ahead(d, s * nb + b, 16)
-        isum = i32_zero(tt)
-        for g in range(8):
-            isum = dot_s8(isum, wbytes(qs, (s * nb + b) * 512 + 64 * g), xbcast(xq, t0 * k + b * 32 + 4 * g, k, tt))  # noqa: F821
-        xi = t0 * nb + b
-        isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt)))  # noqa: F821
-        f = f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
-    return f
+    isum = i32_zero(tt)
+    for g in range(8):
+        isum = dot_s8(isum, wbytes(qs, (s * nb + b) * 512 + 64 * g), xbcast(xq, t0 * k + b * 32 + 4 * g, k, tt))  # noqa: F821
+    xi = t0 * nb + b
+    isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt)))  # noqa: F821
+    return f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
 
 
-def kquant_tile(w, x, s, t0, tt):
+def kquant_ahead(w, sb):
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    qs, qh, _, _, sc, mn = w
+    _ask_ahead(qs, sb, 256)
+    _ask_ahead(qh, sb, 64 if HIGH_BIT else 0)
+    _ask_ahead(sc, sb, 16)
+    _ask_ahead(mn, sb, 16)
+
+
+def kquant_block(w, x, s, b, t0, tt, f):
     """q4_k / q5_k: w = (qs, qh, d, dmin, sc, mn); qh has 1 byte for q4_k."""
     qs, qh, d, dmin, sc, mn = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    f = f32_zero(tt)
-    for b in range(nb):
-        _ask_ahead(qs, s * nb + b, 256)
-        _ask_ahead(qh, s * nb + b, 64 if HIGH_BIT else 0)
-        _ask_ahead(sc, s * nb + b, 16)
-        _ask_ahead(mn, s * nb + b, 16)
-        isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)
-        li, si, xi = (s * nb + b) * 16, (s * (nb // 8) + b // 8) * 16, t0 * nb + b
-        scale = f32_mul(row_f16(d, si), row_u8(sc, li))  # exact: 11 x 6 significant bits
-        low = f32_mul(row_f16(dmin, si), row_u8(mn, li))
-        f = f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
-        f = f32_sub(f, f32_mul(low, tok_f32(xm, xi, nb, tt)))
-    return f
+    isum = _block_isum(qs, qh, xq, (s * nb + b) * 256, t0 * k + b * 32, k, tt)
+    li, si, xi = (s * nb + b) * 16, (s * (nb // 8) + b // 8) * 16, t0 * nb + b
+    scale = f32_mul(row_f16(d, si), row_u8(sc, li))  # exact: 11 x 6 significant bits
+    low = f32_mul(row_f16(dmin, si), row_u8(mn, li))
+    f = f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
+    return f32_sub(f, f32_mul(low, tok_f32(xm, xi, nb, tt)))
 
 
 def _q6_half(qs, qh2, xq, wi, hi, xi, k, tt):
@@ -152,23 +185,25 @@ def _q6_half(qs, qh2, xq, wi, hi, xi, k, tt):
     return isum
 
 
-def q6_k_tile(w, x, s, t0, tt):
+def q6_k_ahead(w, sb):
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    qs, qh2, _, sc = w
+    _ask_ahead(qs, sb, 256)
+    _ask_ahead(qh2, sb, 128)
+    _ask_ahead(sc, sb, 32)
+
+
+def q6_k_block(w, x, s, b, t0, tt, f):
     """q6_k: w = (qs, qh2, d, sc int8 per 16)."""
     qs, qh2, d, sc = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    f = f32_zero(tt)
-    thirty_two = i32_splat(32, tt)
-    for b in range(nb):
-        _ask_ahead(qs, s * nb + b, 256)
-        _ask_ahead(qh2, s * nb + b, 128)
-        _ask_ahead(sc, s * nb + b, 32)
-        si, xi = (s * (nb // 8) + b // 8) * 16, t0 * nb + b
-        dx = tok_f32(xd, xi, nb, tt)
-        for hi in range(2):
-            isum = _q6_half(qs, qh2, xq, (s * nb + b) * 256, hi, t0 * k + b * 32, k, tt)
-            isum = i32_sub(isum, i32_mul(tok_i32(xs, 2 * xi + hi, 2 * nb, tt), thirty_two))
-            scale = f32_mul(row_f16(d, si), row_i8(sc, (s * 2 * nb + 2 * b + hi) * 16))  # exact
-            f = f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
+    si, xi = (s * (nb // 8) + b // 8) * 16, t0 * nb + b
+    dx = tok_f32(xd, xi, nb, tt)
+    for hi in range(2):
+        isum = _q6_half(qs, qh2, xq, (s * nb + b) * 256, hi, t0 * k + b * 32, k, tt)
+        isum = i32_sub(isum, i32_mul(tok_i32(xs, 2 * xi + hi, 2 * nb, tt), i32_splat(32, tt)))
+        scale = f32_mul(row_f16(d, si), row_i8(sc, (s * 2 * nb + 2 * b + hi) * 16))  # exact
+        f = f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
     return f
