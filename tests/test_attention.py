@@ -130,6 +130,27 @@ def test_vector_kernel_query_is_the_same_bits_alone_or_batched(cache, window):
         np.testing.assert_array_equal(batched, alone)
 
 
+def test_a_verify_of_nine_tokens_is_the_same_bits_as_its_queries_alone():
+    """A chunk of 8 tokens and one of 1 (AVX-512; 4 + 4 + 1 elsewhere): equal ranges of the items would
+    leave one thread nearly all the work, so the kernel hands them out as balanced runs; each query still
+    gets the bits it gets alone."""
+    case = as_fp16(make_case(64, 16, [(300, 9)], seed=4))[0]
+    for kernel in A._ATTENTION_VEC:
+        alone = np.concatenate([run(kernel, one_query(case, t), 0.125) for t in range(9)])
+        np.testing.assert_array_equal(run(kernel, case, 0.125), alone)
+
+
+def test_balanced_runs_hold_every_item_once_and_even_out_the_threads():
+    from engine.kernels.attention_vec import _equal_ranges_top, _runs
+
+    costs = np.array([16, 8, 16, 8, 16, 8, 2, 1, 2, 1, 2, 1], np.int64)  # a verify of 9: chunks of 8 and 1
+    order, starts = _runs(costs, 2)
+    assert sorted(order.tolist()) == list(range(len(costs))) and starts[0] == 0 and starts[-1] == len(costs)
+    loads = [int(costs[order[starts[t] : starts[t + 1]]].sum()) for t in range(2)]
+    assert max(loads) <= costs.sum() // 2 + costs.max()  # within one item of an even share
+    assert _equal_ranges_top(costs, 2) == 72 > max(loads)  # what prange's equal ranges would give
+
+
 def test_fp16_cache_needs_vector_shapes():
     case, _ = as_fp16(make_case(40, 4, [(3, 2)]))
     with pytest.raises(ValueError, match="multiples of 16"):

@@ -6,7 +6,8 @@ of 32). Work: a chunk of up to TOKENS_PER_ITEM (4, or 8 with AVX-512)
 consecutive tokens of one request x one KV head x one half of its group's query heads (so two
 threads share an odd number of KV heads evenly: decode attention at 2,000 tokens 117 -> 92 us
 per layer on SmolLM2's 3 KV heads; decode batches from 1,024 keys: attention_split), handed to the
-threads as one run each, balanced by query rows x keys (`_runs`). A tile is up to
+threads as prange's equal ranges of the items in zigzag order, or, where one of those would hold over
+1.1x an even share of query rows x keys, as runs balanced by that cost (`_runs`). A tile is up to
 TOKENS_PER_ITEM query rows sharing every K and V load: the heads of the KV group for a single token,
 the item's heads x the chunk's tokens where they fit one tile (a verify of 4 on 2 heads), or else one
 head of the chunk's tokens. Row r attends to keys lo_r .. n_r - 1, n_r = keys0 + (r % period) * inc
@@ -275,30 +276,53 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
             num_chunks += 1
     half = (group + 1) // 2  # each KV head's query rows in two items, so 2 threads share 3 KV heads evenly
     num_items = num_chunks * num_kv * 2
-    if num_chunks == 1:  # one request's few tokens: prange's equal ranges are the balance there is
-        for item in nb.prange(num_items):
-            kvh, part = item // 2, item % 2
-            _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, firsts[0], owners[0], cu_q, positions,
-                  kvh, part * half, min(group, (part + 1) * half), group, window, scale, out)
-        return
-    costs = np.empty(num_items, np.int64)  # query rows x keys
+    costs = np.empty(num_items, np.int64)  # query rows x keys, items in zigzag order (see _zigzag)
     for item in range(num_items):
-        chunk, part = item // (2 * num_kv), item % 2
+        chunk, part = _zigzag(item // (2 * num_kv), num_chunks), item % 2
         rows = max(0, min(group, (part + 1) * half) - part * half)
         num_tokens = min(TOKENS_PER_ITEM, cu_q[owners[chunk] + 1] - firsts[chunk])
         keys = positions[firsts[chunk]] + num_tokens
         costs[item] = rows * num_tokens * (min(keys, window + num_tokens) if window > 0 else keys)
     threads = nb.get_num_threads()
+    if num_chunks == 1 or _equal_ranges_top(costs, threads) * 10 <= _least_top(costs, threads) * 11:
+        for item in nb.prange(num_items):  # prange's equal ranges of the zigzag order suffice
+            chunk, kvh, part = _zigzag(item // (2 * num_kv), num_chunks), item // 2 % num_kv, item % 2
+            _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, firsts[chunk], owners[chunk], cu_q, positions,
+                  kvh, part * half, min(group, (part + 1) * half), group, window, scale, out)
+        return
     order, starts = _runs(costs, threads)
     for t in nb.prange(threads):
         for i in range(starts[t], starts[t + 1]):
             item = order[i]
-            chunk, kvh, part = item // (2 * num_kv), item // 2 % num_kv, item % 2
+            chunk, kvh, part = _zigzag(item // (2 * num_kv), num_chunks), item // 2 % num_kv, item % 2
             _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, firsts[chunk], owners[chunk], cu_q, positions,
                   kvh, part * half, min(group, (part + 1) * half), group, window, scale, out)
 
 
+@nb.njit(cache=True, inline="always")
+def _zigzag(i, n):
+    """The i-th of n chunks taken from both ends in turn (0, n-1, 1, n-2, ...): a causal prompt's chunks
+    grow in cost, so equal contiguous ranges of this order even the threads' work."""
+    return i // 2 if i % 2 == 0 else n - 1 - i // 2
+
+
 @nb.njit(cache=True)
+def _equal_ranges_top(costs, threads):
+    """The heaviest of `threads` contiguous ranges of (nearly) equal length, as prange cuts them."""
+    top = 0
+    n = costs.shape[0]
+    for t in range(threads):
+        top = max(top, costs[t * n // threads : (t + 1) * n // threads].sum())
+    return top
+
+
+@nb.njit(cache=True)
+def _least_top(costs, threads):
+    """A lower bound on the heaviest run of any split: the costliest item, or an even share."""
+    return max(costs.max(), (costs.sum() + threads - 1) // threads)
+
+
+@nb.njit(cache=True, inline="always")
 def _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, t0, r, cu_q, positions, kvh, first, last, group,
           window, scale, out):
     """Query heads first..last - 1 of KV head kvh's group x the chunk of tokens from t0 of request r."""
