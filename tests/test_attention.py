@@ -3,6 +3,7 @@
 vector kernel is the same bits alone, inside a ragged batch, or among its run's other tokens. The int8
 cache's writer stores what a NumPy q8_0 quantizer gives."""
 
+import numba
 import numpy as np
 import pytest
 
@@ -52,7 +53,7 @@ def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale, windo
 def run(kernel, case, scale, window=0):
     head_dim = (case[1][0] if isinstance(case[1], tuple) else case[1]).shape[2]
     out = np.full((case[0].shape[0], NUM_HEADS * head_dim), np.nan, np.float32)
-    kernel(*case, NUM_HEADS, np.float32(scale), window, out)
+    kernel(*case, NUM_HEADS, np.float32(scale), window, out, numba.get_num_threads())
     return out
 
 

@@ -103,12 +103,12 @@ def _softmax_rows(scores, positions, t0, num_q, scale, window):
     return inv
 
 
-def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, window, out):
+def _paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, window, out, threads):
     """Any block size and head_dim. out[t, h*hd:(h+1)*hd] = softmax(q·K^T * scale) V over keys lo..positions[t] of its request.
 
     qkv: [num_tokens, ...] (q heads first); out: [num_tokens, num_heads * head_dim].
     One work item = one request x one query head: all of the request's appended tokens
-    (a verify run) share each K/V block while it is in cache.
+    (a verify run) share each K/V block while it is in cache. threads: unused (the vector kernel's arguments).
     """
     num_kv, head_dim, block_size = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv
@@ -188,4 +188,4 @@ def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_he
     else:
         pair = _ATTENTION
     fn = pair[1] if work >= PARALLEL_MIN_WORK else pair[0]
-    fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out)
+    fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out, nb.get_num_threads())

@@ -259,9 +259,11 @@ def _runs(costs, threads):
     return order, starts
 
 
-def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out):
+def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, num_heads, scale, window, out, threads):
     """qkv [T, (heads + 2 kv) * hd], out [T, heads * hd]; window: keys a query sees (0: all); K/V entries: a
-    float32 or fp16 array, or an int8 cache's (values, scales) pair (see cache_parts). See the module docstring."""
+    float32 or fp16 array, or an int8 cache's (values, scales) pair (see cache_parts); threads: the caller's
+    numba.get_num_threads() (called in here, it would keep Numba from caching this kernel and every layer that
+    calls it: a dynamic global). See the module docstring."""
     k_cache, k_scale = cache_parts(k_entry)
     v_cache, v_scale = cache_parts(v_entry)
     num_kv = k_cache.shape[0]
@@ -283,7 +285,6 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
         num_tokens = min(TOKENS_PER_ITEM, cu_q[owners[chunk] + 1] - firsts[chunk])
         keys = positions[firsts[chunk]] + num_tokens
         costs[item] = rows * num_tokens * (min(keys, window + num_tokens) if window > 0 else keys)
-    threads = nb.get_num_threads()
     if num_chunks == 1 or _equal_ranges_top(costs, threads) * 10 <= _least_top(costs, threads) * 11:
         for item in nb.prange(num_items):  # prange's equal ranges of the zigzag order suffice
             chunk, kvh, part = _zigzag(item // (2 * num_kv), num_chunks), item // 2 % num_kv, item % 2

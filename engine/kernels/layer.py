@@ -153,9 +153,9 @@ def _layer(num, first, args, meta):
     if _splits(num, cu_q, pos.max() + 1, num_heads, num_kv):  # noqa: F821  (a long decode batch)
         _attend_split(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out, threads)  # noqa: F821
     elif threads > 1:  # the matmuls keep the pool awake: both threads pay even at a few keys
-        _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
+        _attend_p(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out, threads)  # noqa: F821
     else:
-        _attend_s(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out)  # noqa: F821
+        _attend_s(q, k_cache, v_cache, cu_q, pos, tables, num_heads, scale, window, out, threads)  # noqa: F821
     _o(out, w_o, ds, rows_q)  # noqa: F821
     _post_norm(ds, post_attn_norm, eps, par)  # noqa: F821
     if par:
