@@ -47,24 +47,24 @@ def test_every_file_that_feeds_a_kernel_versions_the_cache():
         assert f"engine/kernels/{module}.py" in names
 
 
-def test_the_models_layers_load_back_from_the_kernel_cache(runner):
+def test_the_models_layers_load_back_from_the_kernel_cache(engine):
     """Every compiled layer of the real model's forward (and so the attention, products and norms it calls)
     is saved in Numba's on-disk cache and loads back from it, so a worker's next start compiles none of them.
     A kernel that reads a dynamic global (numba.get_num_threads() called inside it) cannot be saved: it and
     every layer calling it then compiled again in each process, ~23 s of every worker start."""
-    runner.forward(_one_token_batch(runner))
-    layers = {id(run): run for run, _ in runner._layer_calls}.values()
-    for run in layers:
-        assert run.signatures, run.py_func.__name__
-        for sig in run.signatures:
-            assert run._cache.load_overload(sig, run.targetctx) is not None, run.py_func.__name__
-
-
-def _one_token_batch(runner):
     import numpy as np
 
     from engine.model.cpu_runner import ForwardBatch
 
-    batch = ForwardBatch(runner.cache)
-    batch.add(np.array([1], np.int32), 0, [0], 1)
-    return batch
+    runner, blocks, table = engine.runner, engine.scheduler.blocks, []
+    assert blocks.allocate(table, 1)  # a block of the engine's own manager: the runner's cache is shared
+    try:
+        batch = ForwardBatch(runner.cache)
+        batch.add(np.array([1], np.int32), 0, table, 1)
+        runner.forward(batch)
+    finally:
+        blocks.free_blocks(table)
+    for run in {id(run): run for run, _ in runner._layer_calls}.values():
+        assert run.signatures, run.py_func.__name__
+        for sig in run.signatures:
+            assert run._cache.load_overload(sig, run.targetctx) is not None, run.py_func.__name__
