@@ -89,8 +89,10 @@ def make_runner(model: GGUFModel, cache: CacheConfig, args):
         from engine.gpu import make_gpu_runner
 
         return make_gpu_runner(model, cache, args)
+    from engine.spec_decode.verify import compile_kernels
+
     return CpuRunner(model, cache, getattr(args, "threads", 0), numerics=getattr(args, "numerics", "int8"),
-                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), compile_also=(compile_kernels,))
 
 
 def bind_proposer(proposer, model: GGUFModel, runner: ModelRunner, cache: CacheConfig) -> None:

@@ -112,10 +112,18 @@ def compile_lock():
     try:
         if handle is not None:
             fcntl.flock(handle, fcntl.LOCK_EX)
-        _held.depth = 1
+        _held.depth, _held.handle = 1, handle
         yield
     finally:
-        _held.depth = 0
+        _held.depth, _held.handle = 0, None
         if handle is not None:
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
+
+
+def held_lock_fd() -> int | None:
+    """The file descriptor of the compile_lock this thread holds, if any. A helper process given it
+    (subprocess `pass_fds`) shares the lock: it stays held until the helper exits too, even if this
+    process dies first, so no other engine compiles beside an orphaned helper."""
+    handle = getattr(_held, "handle", None)
+    return handle.fileno() if handle is not None else None

@@ -17,6 +17,7 @@ from threadpoolctl import threadpool_limits
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
 from engine.jit_cache import launch_threads
+from engine.model import cpu_compile
 from engine.model.gguf_loader import GGUFModel, ModelConfig
 from engine.kernels import layer as layer_kernels
 from engine.kernels import ops
@@ -104,7 +105,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
 
     def __init__(self, model: GGUFModel, cache: CacheConfig, num_threads: int = 0,
                  num_layers: int | None = None, weights_from: "CpuRunner | None" = None, numerics: str = "int8",
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", compile_also: tuple = ()):
         launch_threads()
         if num_threads > 0:
             numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
@@ -140,10 +141,11 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.k_cache, self.v_cache = self._alloc_kv(cfg, cache)
         self._alloc_activations()
         self._compile_layers()
+        cpu_compile.compile_ahead(self, ForwardBatch(cache), compile_also)  # `compile_also`: the caller's kernels
 
     def _alloc_kv(self, cfg: ModelConfig, cache: CacheConfig) -> tuple:
         """(K, V) caches of every layer: arrays [layers, kv, blocks, hd, bs] and [layers, kv, blocks, bs, hd],
-        or for int8 (values, scales) pairs, the scales with hd / 32 in place of hd (a layer's entry: `_layer_kv`)."""
+        or for int8 (values, scales) pairs, the scales with hd / 32 in place of hd (a layer's entry: `layer_kv`)."""
         k_shape = (cfg.num_layers, cfg.num_kv_heads, cache.num_blocks, cfg.head_dim, cache.block_size)
         v_shape = (cfg.num_layers, cfg.num_kv_heads, cache.num_blocks, cache.block_size, cfg.head_dim)
         if self.kv_cache_dtype != "int8":
@@ -152,7 +154,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         scales = lambda shape, axis: np.zeros(shape[:axis] + (shape[axis] // 32,) + shape[axis + 1:], np.float32)  # noqa: E731
         return (np.zeros(k_shape, np.int8), scales(k_shape, 3)), (np.zeros(v_shape, np.int8), scales(v_shape, 4))
 
-    def _layer_kv(self, i: int) -> tuple:
+    def layer_kv(self, i: int) -> tuple:
         """Layer i's (K, V) cache entries, as the layer kernel takes them."""
         pick = lambda c: (c[0][i], c[1][i]) if isinstance(c, tuple) else c[i]  # noqa: E731
         return pick(self.k_cache), pick(self.v_cache)
@@ -220,12 +222,16 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             return r.xq, r.xd, r.xm, r.xs
         return np.empty((numba.config.NUMBA_NUM_THREADS, k, 16), np.float32)
 
+    def layer_rows(self) -> tuple:
+        """The layers' product input buffers for inputs of hidden, q and intermediate width (see `_rows`)."""
+        return self._bufs[7:10]
+
     def _compile_layers(self) -> None:
         """One compiled function per layer (engine/kernels/layer.py) and the arguments it keeps."""
         cfg, path = self.config, host_path()
         self._bufs = (self.x, self.delta, self.h, self.qkv, self.attn, self.gate_up, self.act,
                       self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(cfg.intermediate_size))
-        vector = vector_shapes(cfg.head_dim, self.cache.block_size)
+        vector = self.vector_attention = vector_shapes(cfg.head_dim, self.cache.block_size)
         arch = layer_kernels.arch_key(cfg.arch)
         self._layer_calls = []
         for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, parts) in enumerate(self.layers):
@@ -233,7 +239,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             window = cfg.window(i)
             cos, sin = self.rope_local if window else (self.rope_cos, self.rope_sin)
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
-                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), *self._layer_kv(i),
+                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), *self.layer_kv(i),
                     (*parts, cos, sin, window))
             run_layer = layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch)
             self._layer_calls.append((run_layer, layer_kernels.layer_args(self._bufs, args)))
@@ -254,6 +260,13 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                 for run_layer, args in self._layer_calls]
         return entries
 
+    def token_meta(self, batch: ForwardBatch) -> tuple:
+        """The layers' `meta` argument for a batch (see engine/kernels/layer.py `_layer`)."""
+        cfg = self.config
+        return (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
+                np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, numba.get_num_threads())
+
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """Run the model over the ragged batch; returns logits [num_logits, vocab] (a view, valid until the next call)."""
         cfg, T = self.config, batch.num_tokens
@@ -265,9 +278,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.embed_table.rows(batch.token_ids[:T], x)
         if cfg.arch.embed_scale:
             x *= np.float32(np.sqrt(cfg.hidden_size))
-        meta = (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
-                np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, numba.get_num_threads())
+        meta = self.token_meta(batch)
         for i, (enter, (_, args)) in enumerate(zip(self._entries_for(meta), self._layer_calls)):
             enter(T, i == 0, args, meta)
         ops.add_inplace(x, delta)
