@@ -87,3 +87,22 @@ def test_the_helper_process_builds_the_attention_kernels_into_the_cache(layer_ca
     for kernel in cpu_compile.attention_kernels(forwarded.vector_attention):
         assert kernel._cache.load_overload(sig, kernel.targetctx) is not None, kernel.py_func.__name__
     assert cpu_compile.start_helper(forwarded.vector_attention, sig) is None  # nothing left to compile: no helper
+
+
+def test_nothing_compiled_beside_the_helper_reaches_the_attention_modules():
+    """The engine compiles the weight products, the LM head and the verification kernels while the helper
+    compiles attention; a kernel of theirs calling into the attention modules (as a draft head's attention
+    does: it is compiled after the helper) would compile an attention function in both processes at once."""
+    from test_import_graph import import_graph
+
+    graph = import_graph()
+    attention = {m for m in graph if m.startswith("engine.kernels.attention") or m == "engine.kernels.kv_prefetch"}
+    for start in ("engine.kernels.int_linear", "engine.kernels.linear", "engine.kernels.linear_jit",
+                  "engine.kernels.linear_quant", "engine.spec_decode.verify"):  # the products, LM head, verification
+        seen, todo = set(), [start]
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph.get(module, ()))
+        assert not seen & attention, (start, sorted(seen & attention))

@@ -104,8 +104,12 @@ def _loads_from_cache(kernel, sig: tuple) -> bool:
 
 def start_helper(vector: bool, sig: tuple) -> subprocess.Popen | None:
     """Compile the attention kernels for `sig` in a helper process, unless the cache holds them already
-    or there is no on-disk cache for it to fill (NUMBA_CACHE_DIR unset: jit_cache found no folder)."""
-    if not os.environ.get("NUMBA_CACHE_DIR") or all(_loads_from_cache(k, sig) for k in attention_kernels(vector)):
+    or there is no on-disk cache for it to fill (NUMBA_CACHE_DIR unset, jit_cache having found no
+    folder, or not writable: this process would then compile attention again after waiting)."""
+    folder = os.environ.get("NUMBA_CACHE_DIR")
+    if not folder or not os.access(folder, os.W_OK | os.X_OK):
+        return None
+    if all(_loads_from_cache(k, sig) for k in attention_kernels(vector)):
         return None
     spec = json.dumps({"vector": vector, "sig": [encode_type(t) for t in sig]})
     lock = held_lock_fd()
