@@ -131,20 +131,22 @@ def finish_helper(helper: subprocess.Popen | None) -> None:
 
 
 def compile_ahead(runner, batch, also=()) -> None:
-    """Compile a CPU runner's kernels before its first forward (`batch`: a ForwardBatch, for its arrays'
-    types): attention in a helper, the weight products, the LM head and each of `also` (callables)
-    here, then wait for the helper."""
+    """On a cold cache, compile a CPU runner's kernels before its first forward (`batch`: a ForwardBatch,
+    for its arrays' types): attention in a helper, the weight products, the LM head and each of `also`
+    (callables) here, then wait for the helper. With attention cached there is nothing to overlap: every
+    kernel compiles, or loads, where it is first used (a cached layer loads with its callees linked in)."""
     start = time.monotonic()
     with compile_lock():
         helper = start_helper(runner.vector_attention, attention_signature(runner, batch))
+        if helper is None:
+            return
         try:
             compile_products(runner)
             for compile_more in also:
                 compile_more()
         finally:
             finish_helper(helper)
-    if helper is not None:
-        log.info("kernels compiled in %.1f s (attention in a helper process)", time.monotonic() - start)
+    log.info("kernels compiled in %.1f s (attention in a helper process)", time.monotonic() - start)
 
 
 def main(argv: list[str]) -> int:
