@@ -2,6 +2,7 @@
 arithmetic, every ISA path bit-identical to the portable one, rows bit-identical whatever the batch."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -14,6 +15,10 @@ import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles any
 from engine.kernels import int_linear
 from engine.kernels.int_pack import FORMATS, IntWeight
 from engine.kernels.linear import WeightParts, linear, pack_gguf_rows, pack_gguf_tensor
+from int_paths_child import ISA_TOKENS, input_key, outputs_file
+
+CHILD = pathlib.Path(__file__).with_name("int_paths_child.py")
+CHILDREN = 2  # subprocesses compiling the non-host paths (see other_paths)
 
 # name: (type, n, k); n never a multiple of 16 (partial last strip), k the block multiple of the type
 SPECS = {
@@ -35,8 +40,8 @@ def kquant_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def tensors(tmp_path_factory):
-    """Every format written to a real GGUF file with gguf.GGUFWriter and read back: {name: ReaderTensor}."""
+def weights_file(tmp_path_factory) -> pathlib.Path:
+    """Every format written to a real GGUF file with gguf.GGUFWriter."""
     path = tmp_path_factory.mktemp("int") / "weights.gguf"
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -50,7 +55,57 @@ def tensors(tmp_path_factory):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    return path
+
+
+@pytest.fixture(scope="module")
+def tensors(weights_file):
+    """The file read back: {name: ReaderTensor}."""
+    return {t.name: t for t in gguf.GGUFReader(str(weights_file)).tensors}
+
+
+def isa_inputs(k: int) -> dict:
+    """The path test's inputs of width k: {tokens: x [tokens, k]}."""
+    rng = np.random.default_rng(2)
+    return {num_tokens: rng.standard_normal((num_tokens, k)).astype(np.float32) * 3 for num_tokens in ISA_TOKENS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def other_paths(weights_file, tmp_path_factory):
+    """From the module's start, CHILDREN subprocesses (int_paths_child) compile and run the paths other
+    than the host's on the path test's inputs, while this process compiles the host path's kernels;
+    yields wait(), which returns {(format, path): {"T<tokens>": out}} once they are done. A test that
+    runs a non-host path calls wait() first: until then those kernels are the children's to compile."""
+    folder = tmp_path_factory.mktemp("paths")
+    inputs = {}
+    for name, (_, _, k) in SPECS.items():
+        for num_tokens, x in isa_inputs(k).items():
+            for part, a in enumerate(int_linear.quantize(x)):
+                inputs[input_key(name, num_tokens, part)] = a.copy()
+    np.savez(folder / "inputs.npz", **inputs)
+    pairs = [(name, path) for path in int_linear.runnable_paths() if path != int_linear.host_path() for name in SPECS]
+    children = []
+    for i in range(CHILDREN):
+        mine = [f"{name}:{path}" for name, path in pairs[i::CHILDREN]]
+        if mine:
+            log = folder / f"child{i}.log"
+            with open(log, "w") as f:
+                args = [sys.executable, str(CHILD), str(weights_file), str(folder / "inputs.npz"), str(folder), *mine]
+                children.append((subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT), log))
+    done = {}
+
+    def wait() -> dict:
+        if not done:
+            for child, log in children:
+                assert child.wait(timeout=1800) == 0, log.read_text()[-3000:]
+            done.update({pair: dict(np.load(outputs_file(str(folder), *pair))) for pair in pairs})
+        return done
+
+    yield wait
+    for child, _ in children:  # a module cut short: its writes are atomic, so a kill leaves no half entry
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 def dequantized(t) -> np.ndarray:
@@ -98,16 +153,19 @@ def test_matches_float64_reference_of_the_same_quantized_arithmetic(tensors, nam
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_every_isa_path_gives_the_portable_paths_bits(tensors, name):
+def test_every_isa_path_gives_the_portable_paths_bits(tensors, other_paths, name):
     """Every tile shape on every path: 9 (8 + 1 on avx512, 4 + the pair 4 + 1 elsewhere), 5 and 6 (pairs
-    4 + 1, 4 + 2), 7 without a spare row (a pair 4 + 2, then 1), 14 (8 + the pair 4 + 2 on avx512)."""
+    4 + 1, 4 + 2), 7 without a spare row (a pair 4 + 2, then 1), 14 (8 + the pair 4 + 2 on avx512); each
+    non-host path both here and in the child process that compiled it."""
+    children = other_paths()
     w = pack_gguf_tensor(tensors[name], "int8")
-    rng = np.random.default_rng(2)
-    for num_tokens in (9, 5, 6, 7, 14):
-        x = rng.standard_normal((num_tokens, w.k)).astype(np.float32) * 3
+    for num_tokens, x in isa_inputs(w.k).items():
         portable = run(x, w, "portable")
         for path in int_linear.runnable_paths():
             np.testing.assert_array_equal(run(x, w, path), portable, err_msg=f"{path} T={num_tokens}")
+            if (name, path) in children:
+                np.testing.assert_array_equal(children[(name, path)][f"T{num_tokens}"], portable,
+                                              err_msg=f"{path} T={num_tokens}, child process")
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -124,10 +182,11 @@ def test_rows_are_bit_identical_whatever_the_batch(tensors, name):
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_a_spare_row_runs_padded_tiles_with_the_same_bits(tensors, name):
+def test_a_spare_row_runs_padded_tiles_with_the_same_bits(tensors, other_paths, name):
     """x with one row more than out (QuantRows views): the last 3 or 7 tokens run as a padded tile of
     4 or 8, its last row computed but not stored. Every path gives the bits of exact-size rows, whatever
     the spare row holds."""
+    other_paths()
     w = pack_gguf_tensor(tensors[name], "int8")
     rng = np.random.default_rng(5)
     for num_tokens in (3, 7, 11, 15, 16):
