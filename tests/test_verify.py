@@ -344,3 +344,36 @@ def test_a_wrong_residual_is_caught():
     first = np.where(accept, drafts, resampled)
     tv = 0.5 * np.abs(np.bincount(first, minlength=vocab) / n - p).sum()
     assert tv > 5 * tv_bound(n, vocab)
+
+
+def argmax_cases():
+    """Rows whose maximum sits at every chunk boundary the kernels use (16-element chunks, 64-element
+    vector steps, a scalar tail), with ties, signed zeros, infinities and NaNs."""
+    rng = np.random.default_rng(11)
+    for n in (1, 15, 16, 17, 63, 64, 65, 200, 49152):
+        row = rng.standard_normal(n).astype(np.float32)
+        yield row
+        for at in {0, n // 2, n - 1, min(n - 1, 63), min(n - 1, 64)}:
+            tied = row.copy()
+            tied[at] = tied[n - 1 - at] = 9.0  # two positions share the maximum: the lower id wins
+            yield tied
+        yield np.full(n, -np.inf, np.float32)
+        yield np.where(rng.random(n) < 0.5, np.float32(0.0), np.float32(-0.0)).astype(np.float32)
+        nan = row.copy()
+        nan[rng.random(n) < 0.3] = np.nan
+        nan[0] = 1.0
+        yield nan
+
+
+def test_argmax_and_extremes_match_numpy():
+    """The vector argmax: the lowest id of the maximum, NaN never winning (NaN at index 0: 0, as a strict
+    scan from index 0 gives); the logit extremes equal NumPy's NaN-ignoring max and min."""
+    from engine.spec_decode.verify_kernels import _extreme, argmax
+
+    for row in argmax_cases():
+        values = np.where(np.isnan(row), -np.inf, row)
+        want = int(np.flatnonzero(values == values.max())[0])
+        assert argmax(row) == want, row
+        assert _extreme(row, np.float32(1.0)) == np.nanmax(row)
+        assert _extreme(row, np.float32(-1.0)) == np.nanmin(row)
+    assert argmax(np.array([np.nan, 1.0, 2.0], np.float32)) == 0

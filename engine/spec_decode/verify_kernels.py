@@ -19,6 +19,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from engine.kernels.simd import f32_hmax, f32_max, f32_mul, f32_splat, row_f32
+
 GREEDY, TARGET_MATCH, TOPP, REJECTION = 0, 1, 2, 3
 NORMAL, ACCEPT_ALL, REJECT_ALL = 0, 1, 2
 _ACCEPT, _SAMPLE = 0, 1  # columns of `uniforms`
@@ -26,11 +28,30 @@ _ACCEPT, _SAMPLE = 0, 1  # columns of `uniforms`
 
 @njit(cache=True)
 def argmax(row):
-    best = 0
-    for v in range(1, row.shape[0]):
-        if row[v] > row[best]:  # strict: ties keep the lowest id
-            best = v
-    return best
+    """The first index of the row's largest value: ties keep the lowest id, a NaN never wins (but a NaN at
+    index 0 gives 0, as a scan from index 0 with a strict comparison would). The maximum comes from
+    vector lanes (_extreme), then the first 16-element chunk holding it is found with vector compares:
+    7 against 52 us for a 49,152-logit row by a scalar scan (Xeon, avx512), once per verified row."""
+    if not row[0] == row[0]:
+        return 0
+    top = np.float32(_extreme(row, np.float32(1.0)))
+    n = row.shape[0]
+    c = 0
+    while c + 16 <= n and not _holds(row, c, top):
+        c += 16
+    for v in range(c, n):
+        if row[v] == top:
+            return v
+    return 0  # unreachable: row[0] is a number, so the maximum is one of the row's values
+
+
+@njit(cache=True, inline="always")
+def _holds(row, c, top):
+    """Whether row[c : c + 16] holds `top` (one vector compare and an or-reduction)."""
+    hit = False
+    for j in range(16):
+        hit |= row[c + j] == top
+    return hit
 
 
 _NUM_BUCKETS = 1024
@@ -128,17 +149,22 @@ _CHUNK = 256  # elements whose 2**n bits wait in a small buffer (L1) before the 
 
 @njit(cache=True)
 def _extreme(row, sign):
-    """The largest (sign 1) or smallest (sign -1) logit, in 8 interleaved partial results (independent
-    chains: 8 against 22 us for a 49,152-logit row by argmax's scan, 48 by row.min())."""
-    tops = np.full(8, -np.inf, dtype=np.float32)
-    n8 = row.shape[0] // 8 * 8
-    for v in range(0, n8, 8):
-        for j in range(8):
-            x = row[v + j] * sign  # exact
-            tops[j] = x if x > tops[j] else tops[j]
-    best = tops.max()
-    for v in range(n8, row.shape[0]):
-        x = row[v] * sign
+    """The largest (sign 1) or smallest (sign -1) logit, NaN ignored (a NaN never compares larger), in 4 x 16
+    vector lanes (simd intrinsics; the same value in any order: 6 against 26 us for a 49,152-logit row by 8
+    scalar lanes, Xeon, avx512). `row` is a contiguous float32 row."""
+    s = f32_splat(sign, 1)
+    a = f32_splat(np.float32(-np.inf), 1)
+    b, c, d = a, a, a
+    n = row.shape[0]
+    n64 = n - n % 64
+    for v in range(0, n64, 64):  # f32_max(x, acc): x only where x > acc, so a NaN x leaves acc as it was
+        a = f32_max(f32_mul(row_f32(row, v), s), a)
+        b = f32_max(f32_mul(row_f32(row, v + 16), s), b)
+        c = f32_max(f32_mul(row_f32(row, v + 32), s), c)
+        d = f32_max(f32_mul(row_f32(row, v + 48), s), d)
+    best = f32_hmax(f32_max(f32_max(a, b), f32_max(c, d)))
+    for v in range(n64, n):
+        x = row[v] * sign  # exact
         best = x if x > best else best
     return np.float64(best * sign)
 
