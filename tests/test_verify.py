@@ -213,23 +213,33 @@ def test_topp_accepts_drafts_among_the_top_candidates_only():
     assert num_accepted.tolist() == [1, 0]
 
 
-def test_bad_inputs_raise_value_error_naming_the_argument():
+@pytest.mark.parametrize("own_buffers", [False, True])
+def test_bad_inputs_raise_value_error_naming_the_argument(own_buffers):
+    """Every value a proposer or a request sets is checked, also for a caller whose buffers fix the dtypes and
+    shapes (StepBatch): a draft id outside the vocabulary is a ValueError, not a wild read in the kernel."""
     logits = one_hot_logits([1, 2])
-    with pytest.raises(ValueError, match="cu_rows"):
-        verify(logits, np.array([0, 3], np.int32), np.zeros(2, np.int32), np.zeros((0, 8), np.float32),
-               np.zeros(1, bool), np.ones(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
-               np.zeros(1, np.int32), NORMAL, np.zeros((2, 2)), np.zeros(2, np.int32), np.zeros(1, np.int32))
-    with pytest.raises(ValueError, match="draft_ids"):
-        run_verify(logits, [1], [99])
+    kw = {"own_buffers": own_buffers}
+    for cu_rows in ([0, 3], [0, 0, 2], [1, 2]):
+        with pytest.raises(ValueError, match="cu_rows"):
+            num_reqs = len(cu_rows) - 1
+            verify(logits, np.array(cu_rows, np.int32), np.zeros(2 - num_reqs, np.int32), np.zeros((0, 8), np.float32),
+                   np.zeros(num_reqs, bool), np.ones(num_reqs, np.float32), np.ones(num_reqs, np.float32),
+                   np.zeros(num_reqs, np.int32), np.zeros(num_reqs, np.int32), NORMAL, np.zeros((2, 2)),
+                   np.zeros(2, np.int32), np.zeros(num_reqs, np.int32), **kw)
+    for bad_id in (99, 8, -1):
+        with pytest.raises(ValueError, match="draft_ids"):
+            run_verify(logits, [1], [bad_id], **kw)
     with pytest.raises(ValueError, match="top_p"):
-        run_verify(logits, [1], [1], top_p=0.0)
+        run_verify(logits, [1], [1], top_p=0.0, **kw)
     for bad in (-0.5, np.nan, np.inf):
         with pytest.raises(ValueError, match="temperature"):
-            run_verify(logits, [1], [1], temperature=bad)
+            run_verify(logits, [1], [1], temperature=bad, **kw)
     with pytest.raises(ValueError, match="top_k"):
-        run_verify(logits, [1], [1], top_k=-1)
+        run_verify(logits, [1], [1], top_k=-1, **kw)
     with pytest.raises(ValueError, match="strategy"):
-        run_verify(logits, [1], [1], strategy=REJECTION + 1)
+        run_verify(logits, [1], [1], strategy=REJECTION + 1, **kw)
+    with pytest.raises(ValueError, match="policy"):
+        run_verify(logits, [1], [1], policy=7, **kw)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [

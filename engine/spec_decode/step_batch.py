@@ -93,7 +93,7 @@ class StepBatch:
             self.draft_probs if self.draft_probs is not None else self.no_probs,
             self.has_draft_probs[:n], self.temperature[:n], self.top_p[:n], self.top_k[:n],
             self.strategy[:n], policy, self.uniforms[:num_rows], self.out_token_ids[:num_rows],
-            self.out_num_accepted[:n], **topp,
+            self.out_num_accepted[:n], **topp, own_buffers=self.draft_probs is None,  # q rows: a proposer's arrays
         )
 
     @staticmethod
