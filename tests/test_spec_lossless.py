@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 
+import numpy as np
 import pytest
 
 from engine.generate import generate
 from engine.serving.protocol import ChatMessage, SamplingParams
+from proposers.base import Drafts, Proposer
 
 SOURCE = """def add(a, b):
     return a + b
@@ -77,3 +81,47 @@ def test_per_request_cap_disables_drafting(spec_engine, reference):
     got = generate(spec_engine, [PROMPTS[0]], params)[0]
     assert got.num_draft_tokens == 0
     assert got.token_ids == reference[0].token_ids
+
+
+class ContractBreaker(Proposer):
+    """A third-party proposer (this test module's) whose drafts break the contract in turn, every other call
+    drafting a valid token (the request's last one) instead."""
+
+    BAD = (lambda v: np.array([v + 5], np.int32), lambda v: np.array([-1], np.int64),
+           lambda v: np.array([1.0], np.float32), lambda v: np.zeros((1, 1), np.int32))
+
+    def __init__(self, config, vocab_size):
+        super().__init__(config, vocab_size)
+        self.calls = 0
+
+    def propose(self, requests):
+        drafts = Drafts.empty(len(requests))
+        drafts.probs = [None] * len(requests)
+        for i, ask in enumerate(requests):
+            self.calls += 1
+            if self.calls % 2:
+                drafts.token_ids[i] = self.BAD[self.calls // 2 % len(self.BAD)](self.vocab_size)
+            elif self.calls % 6 == 2:  # a valid id with q rows of the wrong width
+                drafts.token_ids[i] = ask.token_ids[-1:]
+                drafts.probs[i] = np.full((1, 7), 0.5, np.float32)
+            else:
+                drafts.token_ids[i] = ask.token_ids[-1:]
+        return drafts
+
+
+def test_a_plugins_bad_drafts_are_dropped_and_every_output_stays_identical(make_engine, reference, monkeypatch,
+                                                                            caplog):
+    """Drafts outside the vocabulary, of the wrong type or shape, or with q rows of the wrong width cost only the
+    step's drafts of that request: no step fails, every output equals plain decoding, the valid drafts of the
+    same calls are verified, and each problem is logged once, naming the proposer."""
+    eng = make_engine(speculative_config=json.dumps(METHODS[1]))
+    bad = ContractBreaker(dataclasses.replace(eng.spec, options={}), eng.runner.config.vocab_size)
+    monkeypatch.setattr(eng.proposers, "default", bad)
+    monkeypatch.setitem(eng.proposers.by_method, eng.spec.method, bad)
+    with caplog.at_level(logging.WARNING, logger="speculant.engine"):
+        got = generate(eng, PROMPTS + PROMPTS[:2], GREEDY)
+    assert [g.token_ids for g in got] == [r.token_ids for r in reference + reference[:2]]
+    assert sum(g.num_draft_tokens for g in got) > 0, "no valid draft reached verification"
+    warnings = [r.getMessage() for r in caplog.records if "ContractBreaker" in r.getMessage()]
+    for problem in ("outside the vocabulary", "1-D integer array", "float32 [num_drafts"):
+        assert sum(problem in w for w in warnings) == 1, (problem, warnings)

@@ -4,6 +4,12 @@ A request may choose another installed method (`"speculative": {"method": "suffi
 builds it on first use with that method's default options and the server's K, binds it to the
 target, and from then on routes each request's events to the proposer it started with. One
 `propose()` call per proposer per step.
+
+A third-party proposer's drafts are checked against the contract (`proposers.base.Drafts`) request
+by request before they reach the step: a draft outside the vocabulary would fail the step's
+verification, and a failed step fails every running request. A request's bad drafts are dropped
+(it decodes that step without them, so its output is unchanged) and the proposer is named in a
+warning. Built-in proposers (this package's `proposers` modules) are held to the contract by tests.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+
+import numpy as np
 
 from engine.errors import InvalidRequest
 
@@ -24,6 +32,7 @@ class ProposerPool:
         self.bind = bind  # bind(proposer): hand it the target (engine_setup.bind_proposer)
         self.by_method = {spec.method: default} if default is not None else {}
         self.of_request: dict[str, object] = {}
+        self.warned: set[tuple[str, str]] = set()  # (proposer class, problem) pairs already logged
 
     def reset(self) -> None:
         """Fresh proposers of the same configuration (no state carried over); no request may be running."""
@@ -104,6 +113,8 @@ class ProposerPool:
             start = time.perf_counter()
             got = proposer.propose([asks[i] for i in indices])
             elapsed = time.perf_counter() - start
+            if not type(proposer).__module__.startswith("proposers."):
+                self._drop_bad_drafts(proposer, got)
             first_source = proposer.draft_sources[0]
             for j, i in enumerate(indices):
                 out.token_ids[i] = got.token_ids[j]
@@ -112,3 +123,34 @@ class ProposerPool:
             for source, seconds in (got.seconds or {first_source: elapsed}).items():
                 out.seconds[source] = out.seconds.get(source, 0.0) + seconds
         return out
+
+    def _drop_bad_drafts(self, proposer, got) -> None:
+        """Empty each request's drafts that break the contract; warn once per proposer class and problem."""
+        for j, ids in enumerate(got.token_ids):
+            q = got.probs[j] if got.probs else None
+            problem = draft_problem(ids, q, proposer.vocab_size)
+            if problem is None:
+                continue
+            got.token_ids[j] = np.empty(0, np.int32)
+            if got.probs:
+                got.probs[j] = None
+            name = type(proposer).__qualname__
+            if (name, problem) not in self.warned:
+                self.warned.add((name, problem))
+                log.warning("proposer %s (%s): %s; the request decodes this step without its drafts "
+                            "(logged once)", name, type(proposer).__module__, problem)
+
+
+def draft_problem(ids, q, vocab_size: int) -> str | None:
+    """What is wrong with one request's drafts (token ids, and q rows or None), or None."""
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        return "draft token ids must be a 1-D integer array"
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+        return f"draft token id outside the vocabulary [0, {vocab_size})"
+    if q is None:
+        return None
+    if not isinstance(q, np.ndarray) or q.dtype != np.float32 or q.shape != (len(ids), vocab_size):
+        return f"draft probs must be a float32 [num_drafts, {vocab_size}] array"
+    if not (np.isfinite(q).all() and q.min(initial=0.0) >= 0.0):
+        return "draft probs must be finite and non-negative"
+    return None
