@@ -84,17 +84,23 @@ def test_per_request_cap_disables_drafting(spec_engine, reference):
 
 
 class ContractBreaker(Proposer):
-    """A third-party proposer (this test module's) whose drafts break the contract in turn, every other call
-    drafting a valid token (the request's last one) instead."""
+    """A third-party proposer (this test module's) that breaks the contract in turn: every fifth step it raises,
+    every fifth returns too few entries, and otherwise each request's drafts are bad every other time (a valid
+    token, the request's last one, in between)."""
 
     BAD = (lambda v: np.array([v + 5], np.int32), lambda v: np.array([-1], np.int64),
            lambda v: np.array([1.0], np.float32), lambda v: np.zeros((1, 1), np.int32))
 
     def __init__(self, config, vocab_size):
         super().__init__(config, vocab_size)
-        self.calls = 0
+        self.calls = self.steps = 0
 
     def propose(self, requests):
+        self.steps += 1
+        if self.steps % 5 == 3:
+            raise RuntimeError("a bug in the plugin")
+        if self.steps % 5 == 4:
+            return Drafts(token_ids=[])
         drafts = Drafts.empty(len(requests))
         drafts.probs = [None] * len(requests)
         for i, ask in enumerate(requests):
@@ -112,8 +118,9 @@ class ContractBreaker(Proposer):
 def test_a_plugins_bad_drafts_are_dropped_and_every_output_stays_identical(make_engine, reference, monkeypatch,
                                                                             caplog):
     """Drafts outside the vocabulary, of the wrong type or shape, or with q rows of the wrong width cost only the
-    step's drafts of that request: no step fails, every output equals plain decoding, the valid drafts of the
-    same calls are verified, and each problem is logged once, naming the proposer."""
+    step's drafts of that request, and a propose() that raises or returns too few entries only that step's
+    drafts: no step fails, every output equals plain decoding, the valid drafts are verified, and each problem
+    is logged once, naming the proposer."""
     eng = make_engine(speculative_config=json.dumps(METHODS[1]))
     bad = ContractBreaker(dataclasses.replace(eng.spec, options={}), eng.runner.config.vocab_size)
     monkeypatch.setattr(eng.proposers, "default", bad)
@@ -123,5 +130,6 @@ def test_a_plugins_bad_drafts_are_dropped_and_every_output_stays_identical(make_
     assert [g.token_ids for g in got] == [r.token_ids for r in reference + reference[:2]]
     assert sum(g.num_draft_tokens for g in got) > 0, "no valid draft reached verification"
     warnings = [r.getMessage() for r in caplog.records if "ContractBreaker" in r.getMessage()]
-    for problem in ("outside the vocabulary", "1-D integer array", "float32 [num_drafts"):
+    for problem in ("outside the vocabulary", "1-D integer array", "float32 [num_drafts", "raised RuntimeError",
+                    "one entry per request"):
         assert sum(problem in w for w in warnings) == 1, (problem, warnings)

@@ -8,8 +8,9 @@ target, and from then on routes each request's events to the proposer it started
 A third-party proposer's drafts are checked against the contract (`proposers.base.Drafts`) request
 by request before they reach the step: a draft outside the vocabulary would fail the step's
 verification, and a failed step fails every running request. A request's bad drafts are dropped
-(it decodes that step without them, so its output is unchanged) and the proposer is named in a
-warning. Built-in proposers (this package's `proposers` modules) are held to the contract by tests.
+(it decodes that step without them, so its output is unchanged); a `propose()` that raises or
+returns a malformed Drafts drafts nothing that step. Each problem is logged once, naming the
+proposer. Built-in proposers (this package's `proposers` modules) are held to the contract by tests.
 """
 
 from __future__ import annotations
@@ -111,10 +112,8 @@ class ProposerPool:
         for indices in groups.values():
             proposer = self.of_request[asks[indices[0]].request_id]
             start = time.perf_counter()
-            got = proposer.propose([asks[i] for i in indices])
+            got = self._call(proposer, [asks[i] for i in indices])
             elapsed = time.perf_counter() - start
-            if not type(proposer).__module__.startswith("proposers."):
-                self._drop_bad_drafts(proposer, got)
             first_source = proposer.draft_sources[0]
             for j, i in enumerate(indices):
                 out.token_ids[i] = got.token_ids[j]
@@ -124,21 +123,38 @@ class ProposerPool:
                 out.seconds[source] = out.seconds.get(source, 0.0) + seconds
         return out
 
-    def _drop_bad_drafts(self, proposer, got) -> None:
-        """Empty each request's drafts that break the contract; warn once per proposer class and problem."""
+    def _call(self, proposer, asks: list):
+        """proposer.propose(asks): a plugin's checked (module docstring), a built-in's as it comes."""
+        from proposers.base import Drafts
+
+        if type(proposer).__module__.startswith("proposers."):
+            return proposer.propose(asks)
+        try:
+            got = proposer.propose(asks)
+        except Exception as exc:  # a plugin's bug costs its drafts, not the step
+            self._warn(proposer, f"propose() raised {type(exc).__name__}; no drafts this step", exc)
+            return Drafts.empty(len(asks))
+        n = len(asks)
+        if not isinstance(got, Drafts) or len(got.token_ids) != n or any(
+                x is not None and len(x) != n for x in (got.probs, got.sources)):
+            self._warn(proposer, "propose() must return a Drafts with one entry per request; no drafts this step")
+            return Drafts.empty(n)
         for j, ids in enumerate(got.token_ids):
             q = got.probs[j] if got.probs else None
             problem = draft_problem(ids, q, proposer.vocab_size)
-            if problem is None:
-                continue
-            got.token_ids[j] = np.empty(0, np.int32)
-            if got.probs:
-                got.probs[j] = None
-            name = type(proposer).__qualname__
-            if (name, problem) not in self.warned:
-                self.warned.add((name, problem))
-                log.warning("proposer %s (%s): %s; the request decodes this step without its drafts "
-                            "(logged once)", name, type(proposer).__module__, problem)
+            if problem is not None:
+                got.token_ids[j] = np.empty(0, np.int32)
+                if got.probs:
+                    got.probs[j] = None
+                self._warn(proposer, f"{problem}; the request decodes this step without its drafts")
+        return got
+
+    def _warn(self, proposer, problem: str, exc: Exception | None = None) -> None:
+        """Log a plugin's problem once per proposer class and problem (with the traceback of an exception)."""
+        name = type(proposer).__qualname__
+        if (name, problem) not in self.warned:
+            self.warned.add((name, problem))
+            log.warning("proposer %s (%s): %s (logged once)", name, type(proposer).__module__, problem, exc_info=exc)
 
 
 def draft_problem(ids, q, vocab_size: int) -> str | None:
