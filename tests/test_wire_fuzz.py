@@ -138,14 +138,21 @@ def test_worker_serves_normally_after_the_fuzz(wire):
     generate = {"type": "generate", "request_id": "after-fuzz", "prompt": "Hello", "future_field": [1, 2],
                 "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
     router.send_multipart([identity, msgspec.msgpack.encode(generate)])
-    worker.receive(1000)
+    # A fuzzed GatewayHello can end the fuzz's last round trip early, leaving that example's later frames queued
+    # ahead of this Generate (seen once in CI): receive until it arrives, and drop a fuzzed request among them.
+    for _ in range(100):
+        worker.receive(100)
+        if "after-fuzz" in worker.engine.request_ids():
+            break
+    for request_id in worker.engine.request_ids() - {"after-fuzz"}:
+        worker.abort(request_id)
     assert worker.engine.request_ids() == {"after-fuzz"}
     while worker.engine.has_unfinished():
         worker.step()
     outputs = []
     while router.poll(1000):
         msg = protocol.gateway_decoder.decode(router.recv_multipart()[1])
-        outputs += msg.items if isinstance(msg, protocol.Outputs) else []
+        outputs += [o for o in msg.items if o.request_id == "after-fuzz"] if isinstance(msg, protocol.Outputs) else []
         if outputs and outputs[-1].finish_reason:
             break
     assert outputs[-1].finish_reason == "length" and outputs[-1].completion_tokens == 2
