@@ -165,6 +165,11 @@ class ProposerRegistry:
         self._classes[name] = cls
         return cls
 
+    def is_builtin(self, name: str) -> bool:
+        """Whether `name` resolves to one of this distribution's own proposers (an unknown name: False)."""
+        ep = self._eps.get(name)
+        return ep is not None and _is_builtin(ep)
+
     def installed(self, check: bool = True) -> list[ProposerInfo]:
         """Every known proposer, refused ones included; `check` imports each one to test it."""
         infos = list(self._refused)
@@ -191,6 +196,10 @@ def load_proposer_class(name: str) -> type[Proposer]:
 
 def installed(check: bool = True) -> list[ProposerInfo]:
     return default_registry().installed(check)
+
+
+def is_builtin(name: str) -> bool:
+    return default_registry().is_builtin(name)
 
 
 def cli_list(args=None) -> int:

@@ -54,6 +54,15 @@ def plugin_module(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
+def test_is_builtin_goes_by_the_registry_not_the_module_name(plugin_module):
+    """The engine leaves the drafts of built-in proposers unchecked (engine/spec_decode/proposer_pool.py);
+    which ones those are is the registry's word: this distribution's own entry points."""
+    plugin = EntryPoint("fake_ngram", "third_party_plugin:FakeNgram", GROUP)
+    registry = ProposerRegistry(BUILTINS + [plugin], use_env=False)
+    assert [registry.is_builtin(n) for n in ("ngram", "suffix", "fake_ngram", "missing")] == [True, True, False, False]
+    assert registry_module.is_builtin("ngram")  # the installed distribution's entry points
+
+
 def test_builtins_load_and_pass_the_contract():
     registry = ProposerRegistry(BUILTINS, use_env=False)
     assert registry.names() == ["naive", "ngram", "suffix"]

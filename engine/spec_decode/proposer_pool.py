@@ -10,7 +10,8 @@ by request before they reach the step: a draft outside the vocabulary would fail
 verification, and a failed step fails every running request. A request's bad drafts are dropped
 (it decodes that step without them, so its output is unchanged); a `propose()` that raises or
 returns a malformed Drafts drafts nothing that step. Each problem is logged once, naming the
-proposer. Built-in proposers (this package's `proposers` modules) are held to the contract by tests.
+proposer. Built-in proposers (the registry's word: declared by this distribution) are held to the
+contract by tests, and their drafts go unchecked.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class ProposerPool:
         self.by_method = {spec.method: default} if default is not None else {}
         self.of_request: dict[str, object] = {}
         self.warned: set[tuple[str, str]] = set()  # (proposer class, problem) pairs already logged
+        self.builtin: dict[int, object] = {}  # id -> each proposer of by_method that is built in (kept alive)
+        self._note_builtins()
+
+    def _note_builtins(self) -> None:
+        from proposers.registry import is_builtin
+
+        self.builtin = {id(p): p for method, p in self.by_method.items() if is_builtin(method)}
 
     def reset(self) -> None:
         """Fresh proposers of the same configuration (no state carried over); no request may be running."""
@@ -43,6 +51,7 @@ class ProposerPool:
             self.default = type(self.default)(self.spec, self.default.vocab_size)
             self.bind(self.default)
             self.by_method = {self.spec.method: self.default}
+            self._note_builtins()
 
     @property
     def uses_hidden_states(self) -> bool:
@@ -57,7 +66,7 @@ class ProposerPool:
                                  "speculative.method")
         proposer = self.by_method.get(method)
         if proposer is None:
-            proposer = self.by_method[method] = self._build(method)
+            proposer = self._build(method)
         return proposer
 
     def _build(self, method: str):
@@ -70,6 +79,8 @@ class ProposerPool:
             self.bind(proposer)
         except ValueError as exc:
             raise InvalidRequest(f"speculative.method: {exc}", "speculative.method") from None
+        self.by_method[method] = proposer
+        self._note_builtins()
         log.info("built proposer %r for a request that asked for it", method)
         return proposer
 
@@ -127,7 +138,7 @@ class ProposerPool:
         """proposer.propose(asks): a plugin's checked (module docstring), a built-in's as it comes."""
         from proposers.base import Drafts
 
-        if type(proposer).__module__.startswith("proposers."):
+        if id(proposer) in self.builtin:
             return proposer.propose(asks)
         try:
             got = proposer.propose(asks)
