@@ -19,6 +19,9 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           `{arch}.attention.sliding_window_pattern` and `{arch}.rope.freq_base_swa` take precedence here.
           A local layer's query at position p sees the keys at positions p - window < k <= p.
           The "+1" of Gemma's RMSNorm is already folded into the stored norm weights.
+- phi3:   like llama but NEOX RoPE, weights unpermuted, and Q/K/V in one tensor `attn_qkv` (rows q, k, v) and
+          the FFN's gate and up in one `ffn_up` (gate's rows first, no `ffn_gate`); its `sliding_window`
+          metadata is ignored, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen2": ArchSpec(rope="neox", activation="silu"),
     "qwen3": ArchSpec(rope="neox", activation="silu"),
     "gemma3": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=6),
+    "phi3": ArchSpec(rope="neox", activation="silu"),
 }
 
 
@@ -205,16 +209,25 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, allowed
 def gated_ffn(m: RefModel, il: int, x: np.ndarray) -> np.ndarray:
     act = silu if m.spec.activation == "silu" else gelu_tanh
     b = f"blk.{il}."
-    return linear(act(linear(x, m.t(b + "ffn_gate.weight"))) * linear(x, m.t(b + "ffn_up.weight")),
-                  m.t(b + "ffn_down.weight"))
+    gate, up = m.t(b + "ffn_gate.weight"), m.t(b + "ffn_up.weight")
+    if gate is None:  # phi3: one tensor, the gate's rows first
+        gate, up = np.split(up, 2, axis=0)
+    return linear(act(linear(x, gate)) * linear(x, up), m.t(b + "ffn_down.weight"))
 
 
 def self_attention(m: RefModel, il: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
     b = f"blk.{il}."
     n = x.shape[0]
-    q = linear(x, m.t(b + "attn_q.weight"), m.t(b + "attn_q.bias")).reshape(n, m.n_head, m.head_dim)
-    k = linear(x, m.t(b + "attn_k.weight"), m.t(b + "attn_k.bias")).reshape(n, m.n_head_kv, m.head_dim)
-    v = linear(x, m.t(b + "attn_v.weight"), m.t(b + "attn_v.bias")).reshape(n, m.n_head_kv, m.head_dim)
+    if m.t(b + "attn_qkv.weight") is not None:  # phi3: q, k, v rows in one tensor
+        qkv = linear(x, m.t(b + "attn_qkv.weight"))
+        q, k, v = np.split(qkv, [m.n_head * m.head_dim, (m.n_head + m.n_head_kv) * m.head_dim], axis=1)
+    else:
+        q = linear(x, m.t(b + "attn_q.weight"), m.t(b + "attn_q.bias"))
+        k = linear(x, m.t(b + "attn_k.weight"), m.t(b + "attn_k.bias"))
+        v = linear(x, m.t(b + "attn_v.weight"), m.t(b + "attn_v.bias"))
+    q = q.reshape(n, m.n_head, m.head_dim)
+    k = k.reshape(n, m.n_head_kv, m.head_dim)
+    v = v.reshape(n, m.n_head_kv, m.head_dim)
     if m.t(b + "attn_q_norm.weight") is not None:  # QK-norm (qwen3, gemma3): per head, before RoPE
         q = rms_norm(q, m.t(b + "attn_q_norm.weight"), m.eps)
         k = rms_norm(k, m.t(b + "attn_k_norm.weight"), m.eps)

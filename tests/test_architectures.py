@@ -1,4 +1,4 @@
-"""Each supported architecture (llama, qwen2, qwen3, gemma3) runs in the engine's CPU runner and computes
+"""Each supported architecture (llama, qwen2, qwen3, gemma3, phi3) runs in the engine's CPU runner and computes
 what transformers computes: tiny random GGUFs written the way llama.cpp's converter writes each
 architecture (tests/fixtures/arch, made by tests/fixtures/make_arch_fixtures.py with transformers'
 float32 logits of the same weights). Exact numerics match within 1e-3 with the same top-1 everywhere;
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.model.gguf_loader import GGUFModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3"]
 CACHE = CacheConfig(block_size=16, num_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128)
 
 
@@ -100,3 +101,35 @@ def test_fixture_tokenizer_loads(arch):
     tok = Tokenizer.from_gguf(FIXTURES / f"{arch}.gguf")
     text = "hello world, 42 times"
     assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+def _small_phi3(path: Path, tensors: dict[str, np.ndarray]) -> Path:
+    """A phi3 GGUF with the hyperparameters the loader reads and only `tensors`."""
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 64), (writer.add_head_count, 4),
+                       (writer.add_feed_forward_length, 128), (writer.add_layer_norm_rms_eps, 1e-5),
+                       (writer.add_context_length, 128)):
+        add(value)
+    for name, value in {"token_embd.weight": np.zeros((300, 64), np.float32), **tensors}.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_phi3_stacks_its_fused_tensors_and_refuses_what_it_cannot_run(tmp_path):
+    """A Phi-3 file's attn_qkv and ffn_up (gate and up) are each one product; an ffn_up of the wrong height
+    and LongRoPE factors (Phi-3 128k, Phi-3.5, Phi-4-mini) are refused with errors that name them."""
+    model = GGUFModel(FIXTURES / "phi3.gguf")
+    assert model.stacked_names(1, "qkv") == ["blk.1.attn_qkv.weight"]
+    assert model.stacked_names(1, "gate_up") == ["blk.1.ffn_up.weight"]
+    assert GGUFModel(FIXTURES / "qwen3.gguf").stacked_names(0, "gate_up") == ["blk.0.ffn_gate.weight",
+                                                                            "blk.0.ffn_up.weight"]
+    short = GGUFModel(_small_phi3(tmp_path / "short.gguf", {"blk.0.ffn_up.weight": np.zeros((128, 64), np.float32)}))
+    with pytest.raises(ValueError, match="ffn_up.weight has 128 rows"):
+        short.stacked_names(0, "gate_up")
+    factors = {"rope_factors_long.weight": np.ones(8, np.float32), "rope_factors_short.weight": np.ones(8, np.float32)}
+    with pytest.raises(ValueError, match="LongRoPE"):
+        GGUFModel(_small_phi3(tmp_path / "longrope.gguf", factors))

@@ -86,10 +86,10 @@ def upload_weights(model: GGUFModel, dtype: str, to_device) -> ModelWeights:
         p = f"blk.{i}."
         layers.append(LayerWeights(
             attn_norm=vector(p + "attn_norm.weight"),
-            qkv=matrix(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+            qkv=matrix(*model.stacked_names(i, "qkv")),
             o=matrix(p + "attn_output.weight"),
             ffn_norm=vector(p + "ffn_norm.weight"),
-            gate_up=matrix(p + "ffn_gate.weight", p + "ffn_up.weight"),
+            gate_up=matrix(*model.stacked_names(i, "gate_up")),
             down=matrix(p + "ffn_down.weight"),
         ))
     embed = matrix("token_embd.weight")

@@ -52,6 +52,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("llama"),  # Llama 1-3, Mistral, SmolLM: llama.cpp writes them all as "llama"
         Architecture("qwen2", rope="neox", qkv_bias=True),
         Architecture("qwen3", rope="neox", qk_norm=True),
+        # Phi-3 / 3.5 / 4-mini: q, k, v and gate, up stored fused (gguf_loader.stacked_names). Its files carry a
+        # sliding_window (2047 in Phi-3-mini); llama.cpp ignores it (ggml-org/llama.cpp#13676), and so do we.
+        Architecture("phi3", rope="neox"),
         Architecture("gemma3", rope="neox", qk_norm=True, post_norms=True, activation="gelu_tanh",
                      embed_scale=True, swa_pattern=6, swa_rope_base=10_000.0),
     )

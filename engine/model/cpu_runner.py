@@ -17,14 +17,14 @@ from threadpoolctl import threadpool_limits
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
 from engine.jit_cache import launch_threads
-from engine.model import cpu_compile
-from engine.model.gguf_loader import GGUFModel, ModelConfig
 from engine.kernels import layer as layer_kernels
 from engine.kernels import ops
 from engine.kernels.attention import vector_shapes
 from engine.kernels.int_linear import QuantRows, host_path
 from engine.kernels.linear import linear, pack_gguf_rows, pack_gguf_tensor
 from engine.kernels.weights import EmbeddingTable
+from engine.model import cpu_compile
+from engine.model.gguf_loader import GGUFModel, ModelConfig
 
 
 @dataclass(slots=True)
@@ -174,10 +174,10 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             self.layers.append(
                 (
                     model.dense(p + "attn_norm.weight"),
-                    pack_gguf_rows([model.tensor(p + n) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")], numerics),
+                    pack_gguf_rows([model.tensor(n) for n in model.stacked_names(i, "qkv")], numerics),
                     pack_gguf_tensor(model.tensor(p + "attn_output.weight"), numerics),
                     model.dense(p + "ffn_norm.weight"),
-                    pack_gguf_rows([model.tensor(p + "ffn_gate.weight"), model.tensor(p + "ffn_up.weight")], numerics),
+                    pack_gguf_rows([model.tensor(n) for n in model.stacked_names(i, "gate_up")], numerics),
                     pack_gguf_tensor(model.tensor(p + "ffn_down.weight"), numerics),
                     self._layer_parts(model, p),
                 )

@@ -3,7 +3,9 @@
 Every hyperparameter comes from the file's metadata; how the architecture differs from Llama
 comes from its declaration (engine/model/architectures.py). Q and K weights keep the file's
 row order: llama.cpp permutes a Llama model's rows so that RoPE rotates adjacent pairs, and
-writes the other architectures unpermuted for rotate-half ("neox") RoPE.
+writes the other architectures unpermuted for rotate-half ("neox") RoPE. A layer's q, k and v
+(and the FFN's gate and up) are stacked into one product: from separate tensors, or from the one
+tensor a Phi-3 file holds (`stacked_names`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class GGUFModel:
         hidden = int(_field(r, f"{arch}.embedding_length"))
         num_heads = int(_field(r, f"{arch}.attention.head_count"))
         head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // num_heads))
+        if "rope_factors_long.weight" in self.tensors or "rope_factors_short.weight" in self.tensors:
+            raise ValueError(f"unsupported RoPE scaling in {self.path.name}: LongRoPE factors "
+                             "(rope_factors_long/short, as in Phi-3 128k and Phi-3.5 files)")
         scaling = str(_field(r, f"{arch}.rope.scaling.type", "none"))
         if scaling not in ("none", "linear"):
             raise ValueError(f"unsupported RoPE scaling {scaling!r} in {self.path.name}")
@@ -128,6 +133,22 @@ class GGUFModel:
             return self.tensors[name]
         except KeyError:
             raise ValueError(f"tensor {name!r} missing from {self.path.name}") from None
+
+    def stacked_names(self, layer: int, kind: str) -> list[str]:
+        """The tensors whose rows, in order, make one of a layer's stacked products: kind "qkv" (q, k, v)
+        or "gate_up" (gate, up). A Phi-3 file holds each as one tensor: attn_qkv, and ffn_up with the
+        gate's rows first and no ffn_gate (llama.cpp's fused SwiGLU)."""
+        p = f"blk.{layer}."
+        if kind == "qkv":
+            fused = p + "attn_qkv.weight"
+            return [fused] if fused in self.tensors else [p + f"attn_{n}.weight" for n in "qkv"]
+        if p + "ffn_gate.weight" in self.tensors:
+            return [p + "ffn_gate.weight", p + "ffn_up.weight"]
+        rows = int(self.tensor(p + "ffn_up.weight").shape[-1])
+        if rows != 2 * self.config.intermediate_size:
+            raise ValueError(f"{self.path.name}: {p}ffn_gate.weight is missing and {p}ffn_up.weight has {rows} rows, "
+                             f"not the 2 x {self.config.intermediate_size} of a fused gate and up")
+        return [p + "ffn_up.weight"]
 
     def dense(self, name: str) -> np.ndarray:
         """A tensor dequantized to float32 in logical (row-major, ggml-reversed) shape."""
