@@ -21,7 +21,11 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           The "+1" of Gemma's RMSNorm is already folded into the stored norm weights.
 - phi3:   like llama but NEOX RoPE, weights unpermuted, and Q/K/V in one tensor `attn_qkv` (rows q, k, v) and
           the FFN's gate and up in one `ffn_up` (gate's rows first, no `ffn_gate`); its `sliding_window`
-          metadata is ignored, as llama.cpp does.
+          metadata is ignored, as llama.cpp does. LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): per-frequency
+          divisors `rope_factors_long` when the context (here the file's context_length) exceeds
+          `{arch}.rope.scaling.original_context_length`, else `rope_factors_short`, and cos/sin times
+          `{arch}.rope.scaling.attn_factor`; partial rotary (Phi-4-mini): only the first
+          `{arch}.rope.dimension_count` dims of each head rotate.
 """
 
 from __future__ import annotations
@@ -67,8 +71,10 @@ class RefModel:
     rope_base_swa: float
     sliding_window: int            # 0: no sliding window
     local_layers: frozenset[int]
-    rope_freqs: np.ndarray | None  # Llama-3 per-frequency divisors, or None
+    rope_freqs: np.ndarray | None  # per-frequency divisors (Llama 3's, or LongRoPE's for this context), or None
     tensors: dict[str, np.ndarray] = field(repr=False)
+    rope_dim: int = 0              # dims of each head that rotate (0: all)
+    rope_mscale: float = 1.0       # cos and sin times this (LongRoPE's attn_factor)
 
     @property
     def spec(self) -> ArchSpec:
@@ -129,9 +135,20 @@ def load_gguf(path: str | Path) -> RefModel:
         sliding_window=window,
         local_layers=local_layers(arch, n_layer, _field(reader, f"{arch}.attention.sliding_window_pattern"))
         if window else frozenset(),
-        rope_freqs=tensors.get("rope_freqs.weight"),
+        rope_freqs=rope_divisors(reader, arch, tensors),
+        rope_dim=int(_field(reader, f"{arch}.rope.dimension_count", 0)),
+        rope_mscale=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
         tensors=tensors,
     )
+
+
+def rope_divisors(reader: gguf.GGUFReader, arch: str, tensors: dict) -> np.ndarray | None:
+    """Llama 3's rope_freqs, or LongRoPE's factors as llama.cpp picks them for a context of context_length."""
+    if "rope_factors_long.weight" not in tensors:
+        return tensors.get("rope_freqs.weight")
+    n_ctx = int(_field(reader, f"{arch}.context_length"))
+    original = int(_field(reader, f"{arch}.rope.scaling.original_context_length", n_ctx))
+    return tensors["rope_factors_long.weight" if n_ctx > original else "rope_factors_short.weight"]
 
 
 # ---------------------------------------------------------------- the pieces
@@ -162,10 +179,10 @@ def rope_inv_freq(base: float, dim: int, freq_factors: np.ndarray | None = None)
     return inv if freq_factors is None else inv / freq_factors
 
 
-def rope_adjacent(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+def rope_adjacent(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, mscale: float = 1.0) -> np.ndarray:
     """llama.cpp "normal" RoPE: rotates the adjacent pairs (x[2i], x[2i+1]) of each head. x: (T, H, D)."""
     ang = positions[:, None, None] * inv_freq[None, None, :]
-    cos, sin = np.cos(ang), np.sin(ang)
+    cos, sin = mscale * np.cos(ang), mscale * np.sin(ang)
     even, odd = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = even * cos - odd * sin
@@ -173,11 +190,11 @@ def rope_adjacent(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) ->
     return out
 
 
-def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+def rope_neox(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, mscale: float = 1.0) -> np.ndarray:
     """NEOX / Hugging Face rotate-half RoPE: x[i] pairs with x[i + D/2]. x: (T, H, D)."""
     half = x.shape[-1] // 2
     ang = positions[:, None, None] * inv_freq[None, None, :]
-    cos, sin = np.cos(ang), np.sin(ang)
+    cos, sin = mscale * np.cos(ang), mscale * np.sin(ang)
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -233,9 +250,11 @@ def self_attention(m: RefModel, il: int, x: np.ndarray, positions: np.ndarray) -
         k = rms_norm(k, m.t(b + "attn_k_norm.weight"), m.eps)
     local = il in m.local_layers
     base = m.rope_base_swa if local else m.rope_base
-    inv_freq = rope_inv_freq(base, m.head_dim, m.rope_freqs)
+    rot = m.rope_dim or m.head_dim  # partial rotary: the dims past `rot` pass through
+    inv_freq = rope_inv_freq(base, rot, None if m.rope_freqs is None else m.rope_freqs[: rot // 2])
     rope = rope_adjacent if m.spec.rope == "adjacent" else rope_neox
-    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    q, k = (np.concatenate([rope(x[..., :rot], positions, inv_freq, m.rope_mscale), x[..., rot:]], axis=-1)
+            for x in (q, k))
     allowed = attention_mask(n, m.sliding_window if local else 0)
     out = attention(q, k, v, 1.0 / np.sqrt(m.head_dim), allowed)
     return linear(out, m.t(b + "attn_output.weight"))

@@ -119,17 +119,22 @@ def _small_phi3(path: Path, tensors: dict[str, np.ndarray]) -> Path:
     return path
 
 
-def test_phi3_stacks_its_fused_tensors_and_refuses_what_it_cannot_run(tmp_path):
-    """A Phi-3 file's attn_qkv and ffn_up (gate and up) are each one product; an ffn_up of the wrong height
-    and LongRoPE factors (Phi-3 128k, Phi-3.5, Phi-4-mini) are refused with errors that name them."""
+def test_phi3_stacks_its_fused_tensors_and_picks_its_longrope_factors(tmp_path):
+    """A Phi-3 file's attn_qkv and ffn_up (gate and up) are each one product, and an ffn_up of the wrong height
+    is refused by name. LongRoPE (the fixture's are Phi-4-mini's kind): the short factors up to the file's
+    original context (4 here), the long ones past it, as llama.cpp picks them by context size; a file with
+    only one of the two is refused."""
     model = GGUFModel(FIXTURES / "phi3.gguf")
     assert model.stacked_names(1, "qkv") == ["blk.1.attn_qkv.weight"]
     assert model.stacked_names(1, "gate_up") == ["blk.1.ffn_up.weight"]
     assert GGUFModel(FIXTURES / "qwen3.gguf").stacked_names(0, "gate_up") == ["blk.0.ffn_gate.weight",
                                                                             "blk.0.ffn_up.weight"]
+    np.testing.assert_array_equal(model.rope_freq_factors(4), [1.0, 1.25, 1.5, 2.0])
+    np.testing.assert_array_equal(model.rope_freq_factors(5), [1.0, 3.0, 9.0, 27.0])
+    assert model.config.rope_dim == 8 and model.config.head_dim == 16
+    assert model.config.rope_attn_factor == pytest.approx(np.sqrt(1 + np.log(32) / np.log(4)))
     short = GGUFModel(_small_phi3(tmp_path / "short.gguf", {"blk.0.ffn_up.weight": np.zeros((128, 64), np.float32)}))
     with pytest.raises(ValueError, match="ffn_up.weight has 128 rows"):
         short.stacked_names(0, "gate_up")
-    factors = {"rope_factors_long.weight": np.ones(8, np.float32), "rope_factors_short.weight": np.ones(8, np.float32)}
-    with pytest.raises(ValueError, match="LongRoPE"):
-        GGUFModel(_small_phi3(tmp_path / "longrope.gguf", factors))
+    with pytest.raises(ValueError, match="rope_factors_short"):
+        GGUFModel(_small_phi3(tmp_path / "half.gguf", {"rope_factors_long.weight": np.ones(8, np.float32)}))

@@ -14,14 +14,14 @@ import dataclasses
 
 import numpy as np
 
-from engine.model.cpu_runner import CacheConfig, ForwardBatch
-from engine.model.gguf_loader import GGUFModel, ModelConfig
 from engine.gpu.buffers import StepBuffers
 from engine.gpu.gemm import Gemm, check_invariant_shape
 from engine.gpu.kernels import ATTENTION_HEAD_DIMS, KV_DTYPE, MAX_ATTENTION_ROWS, Kernels, attention_q_tile
 from engine.gpu.verify import DeviceVerifier
 from engine.gpu.weights import STORAGE_DTYPES, upload_weights
 from engine.kernels import ops
+from engine.model.cpu_runner import CacheConfig, ForwardBatch
+from engine.model.gguf_loader import GGUFModel, ModelConfig
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 RESERVED_BYTES = 512 << 20  # CUDA graphs, cuBLAS, kernel images, allocator slack
@@ -51,7 +51,7 @@ class GpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.gemm = Gemm(dtype, self.kernels, batch_invariant, self.stream)
         self.bufs = StepBuffers(cfg, cache, dtype, kv_partition_size)
         cos, sin = ops.rope_tables(max(cache.max_model_len, 1), cfg.rope_dim, cfg.rope_theta, cfg.rope_scale,
-                                   model.rope_freq_factors())
+                                   model.rope_freq_factors(cache.max_model_len), cfg.rope_attn_factor)
         self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
         self.verifier = DeviceVerifier(self.kernels, cfg.vocab_size, cache.max_num_batched_tokens,
                                        cache.max_num_seqs, self.stream)

@@ -182,10 +182,10 @@ def fill_token_meta(cu_q, seq_lens, block_tables, block_size, req_of_token, posi
             slot_mapping[t] = block_tables[r, pos // block_size] * block_size + pos % block_size
 
 
-def rope_tables(max_pos: int, rope_dim: int, theta: float, scale: float, freq_factors=None):
-    """cos/sin tables [max_pos, rope_dim // 2] (computed in float64, stored float32)."""
+def rope_tables(max_pos: int, rope_dim: int, theta: float, scale: float, freq_factors=None, mscale: float = 1.0):
+    """cos/sin tables [max_pos, rope_dim // 2] (computed in float64, stored float32), both times `mscale`."""
     inv_freq = 1.0 / (theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim))
     if freq_factors is not None:
         inv_freq = inv_freq / np.asarray(freq_factors[: rope_dim // 2], dtype=np.float64)
     angles = np.outer(np.arange(max_pos, dtype=np.float64) / scale, inv_freq)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return (mscale * np.cos(angles)).astype(np.float32), (mscale * np.sin(angles)).astype(np.float32)

@@ -131,7 +131,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.weight_bytes = sum(w.nbytes for layer in self.layers for w in layer[1:3] + layer[4:6]) + self.lm_head.nbytes
         max_pos = max(cache.max_model_len, 1)
         self.rope_cos, self.rope_sin = ops.rope_tables(
-            max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors()
+            max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors(cache.max_model_len),
+            cfg.rope_attn_factor,
         )
         # Sliding-window layers rotate with their own base, unscaled (as llama.cpp does for Gemma 3).
         self.rope_local = ops.rope_tables(max_pos, cfg.rope_dim, cfg.rope_theta_local, 1.0) if cfg.local_layers else None

@@ -43,6 +43,7 @@ class ModelConfig:
     sliding_window: int = 0  # keys a local layer sees (itself included)
     local_layers: tuple[int, ...] = ()  # the layers that attend over the sliding window
     rope_theta_local: float = 0.0  # RoPE base of the local layers
+    rope_attn_factor: float = 1.0  # RoPE's cos and sin scaled by it (LongRoPE's magnitude correction)
 
     def window(self, layer: int) -> int:
         """Keys that `layer` attends to, itself included (0: all of them)."""
@@ -82,9 +83,9 @@ class GGUFModel:
         hidden = int(_field(r, f"{arch}.embedding_length"))
         num_heads = int(_field(r, f"{arch}.attention.head_count"))
         head_dim = int(_field(r, f"{arch}.attention.key_length", hidden // num_heads))
-        if "rope_factors_long.weight" in self.tensors or "rope_factors_short.weight" in self.tensors:
-            raise ValueError(f"unsupported RoPE scaling in {self.path.name}: LongRoPE factors "
-                             "(rope_factors_long/short, as in Phi-3 128k and Phi-3.5 files)")
+        if ("rope_factors_long.weight" in self.tensors) != ("rope_factors_short.weight" in self.tensors):
+            raise ValueError(f"{self.path.name}: LongRoPE needs both rope_factors_long.weight and "
+                             "rope_factors_short.weight")
         scaling = str(_field(r, f"{arch}.rope.scaling.type", "none"))
         if scaling not in ("none", "linear"):
             raise ValueError(f"unsupported RoPE scaling {scaling!r} in {self.path.name}")
@@ -114,6 +115,7 @@ class GGUFModel:
             sliding_window=window,
             local_layers=self._local_layers(decl, num_layers) if window else (),
             rope_theta_local=float(_field(r, f"{arch}.rope.freq_base_swa", decl.swa_rope_base or 10_000.0)),
+            rope_attn_factor=float(_field(r, f"{arch}.rope.scaling.attn_factor", 1.0)),
         )
 
     def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
@@ -156,8 +158,15 @@ class GGUFModel:
         shape = tuple(int(s) for s in reversed(t.shape))
         return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
-    def rope_freq_factors(self) -> np.ndarray | None:
-        """Llama-3 style per-frequency divisors (tensor rope_freqs.weight), if the file has them."""
-        if "rope_freqs.weight" not in self.tensors:
+    def rope_freq_factors(self, context_len: int) -> np.ndarray | None:
+        """Per-frequency divisors of RoPE's angles, if the file has them: Llama 3's rope_freqs.weight, or
+        LongRoPE's (Phi-3 128k, Phi-3.5, Phi-4-mini) short factors, or its long ones when `context_len` (the
+        engine's max_model_len) exceeds the file's original context; llama.cpp chooses them the same way."""
+        if "rope_freqs.weight" in self.tensors:
+            return self.dense("rope_freqs.weight").reshape(-1)
+        if "rope_factors_long.weight" not in self.tensors:
             return None
-        return self.dense("rope_freqs.weight").reshape(-1)
+        cfg = self.config
+        original = int(_field(self.metadata, f"{cfg.architecture}.rope.scaling.original_context_length",
+                              cfg.context_length))
+        return self.dense(f"rope_factors_{'long' if context_len > original else 'short'}.weight").reshape(-1)
