@@ -153,6 +153,17 @@ def test_pre_tokenizer_follows_gguf_pre_type(tmp_path, pre, expected):
     assert _pieces(tokenizer, "hi<|im_end|>") == ["hi", "<|im_end|>"]
 
 
+def test_gpt4o_pre_tokenizer_splits_as_its_regex_reads(tmp_path):
+    """`gpt-4o` (Phi-4-mini's files): capitals start a word (a run of them joins the lower-case letters after it), a contraction stays on its word, numbers go in
+    threes without a leading space, a punctuation mark leads the letters after it. Expected pieces worked
+    out by hand from the o200k pattern's alternatives, in order."""
+    tokenizer = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "tiny.gguf", pre="gpt-4o"))
+    split = tokenizer._backend.pre_tokenizer.pre_tokenize_str
+    pieces = [p for p, _ in split("camelCase HTTPServer World's 12345 x\n\nfoo/bar")]
+    assert [bytes(_byte_decoder()[c] for c in p).decode() for p in pieces] == [
+        "camel", "Case", " HTTPServer", " World's", " ", "123", "45", " x", "\n\n", "foo", "/bar"]
+
+
 def test_missing_template_falls_back_to_chatml(tmp_path):
     tokenizer = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "tiny.gguf"))
     assert tokenizer.chat_template is None

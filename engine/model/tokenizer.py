@@ -35,6 +35,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-4o's (o200k) split, as in Phi-4-mini's tokenizer.json: a word is an optional non-letter, then upper-case
+# letters and lower-case ones (so "camelCase" splits in two), then an optional contraction; numbers in 3s.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's fallback for files that name no known pre-tokenizer: four regex passes.
 _LLAMACPP_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
 
@@ -57,6 +64,7 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "falcon3": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
     "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    "gpt-4o": (_GPT4O_SPLIT,),  # Phi-4-mini
 }
 
 # Control tokens that end a turn in common chat formats, stopped on besides EOS.
