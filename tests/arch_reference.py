@@ -26,6 +26,8 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           `{arch}.rope.scaling.original_context_length`, else `rope_factors_short`, and cos/sin times
           `{arch}.rope.scaling.attn_factor`; partial rotary (Phi-4-mini): only the first
           `{arch}.rope.dimension_count` dims of each head rotate.
+- smollm3: llama (permuted Q/K, adjacent pairs), but every 4th layer (il % 4 == 3) applies no RoPE at all;
+          llama.cpp hard-codes the step (no GGUF key).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ArchSpec:
     embed_scale: bool = False      # multiply the token embeddings by sqrt(n_embd)
     swa_period: int | None = None  # llama.cpp's built-in sliding-window period (None: every layer global)
     swa_rope_base: float = 10000.0  # llama.cpp's built-in RoPE base for the local layers
+    no_rope_period: int = 0        # llama.cpp's built-in NoPE step: layer il skips RoPE iff (il + 1) % period == 0
 
 
 ARCHS: dict[str, ArchSpec] = {
@@ -55,6 +58,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(rope="neox", activation="silu"),
     "gemma3": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=6),
     "phi3": ArchSpec(rope="neox", activation="silu"),
+    "smollm3": ArchSpec(rope="adjacent", activation="silu", no_rope_period=4),
 }
 
 
@@ -253,8 +257,10 @@ def self_attention(m: RefModel, il: int, x: np.ndarray, positions: np.ndarray) -
     rot = m.rope_dim or m.head_dim  # partial rotary: the dims past `rot` pass through
     inv_freq = rope_inv_freq(base, rot, None if m.rope_freqs is None else m.rope_freqs[: rot // 2])
     rope = rope_adjacent if m.spec.rope == "adjacent" else rope_neox
-    q, k = (np.concatenate([rope(x[..., :rot], positions, inv_freq, m.rope_mscale), x[..., rot:]], axis=-1)
-            for x in (q, k))
+    period = m.spec.no_rope_period
+    if not period or (il + 1) % period:
+        q, k = (np.concatenate([rope(x[..., :rot], positions, inv_freq, m.rope_mscale), x[..., rot:]], axis=-1)
+                for x in (q, k))
     allowed = attention_mask(n, m.sliding_window if local else 0)
     out = attention(q, k, v, 1.0 / np.sqrt(m.head_dim), allowed)
     return linear(out, m.t(b + "attn_output.weight"))

@@ -18,6 +18,8 @@ people download load as they are:
               own `{arch}.attention.sliding_window_pattern` takes precedence.
   swa_rope_base  RoPE base of the sliding-window layers when the file does not give
               `{arch}.rope.freq_base_swa` (llama.cpp's default for the architecture).
+  no_rope_period  every n-th layer (n-1, 2n-1, ...) attends without RoPE ("NoPE"); llama.cpp hard-codes
+              the period per architecture (no GGUF key), 0: every layer rotates.
 
 Gemma's norm weights are stored in GGUF with its "1 +" already added, so every norm is x*w here.
 """
@@ -41,15 +43,21 @@ class Architecture:
     embed_scale: bool = False
     swa_pattern: int = 0
     swa_rope_base: float = 0.0
+    no_rope_period: int = 0
 
     def __post_init__(self):
         assert self.rope in ROPE_STYLES and self.activation in ACTIVATIONS, self
+
+    def rotates(self, layer: int) -> bool:
+        """Whether `layer` applies RoPE to q and k."""
+        return not self.no_rope_period or (layer + 1) % self.no_rope_period != 0
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
         Architecture("llama"),  # Llama 1-3, Mistral, SmolLM: llama.cpp writes them all as "llama"
+        Architecture("smollm3", no_rope_period=4),  # SmolLM3: Llama with every 4th layer unrotated
         Architecture("qwen2", rope="neox", qkv_bias=True),
         Architecture("qwen3", rope="neox", qk_norm=True),
         # Phi-3 / 3.5 / 4-mini: q, k, v and gate, up stored fused (gguf_loader.stacked_names). Its files carry a

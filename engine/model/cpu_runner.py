@@ -235,10 +235,13 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         vector = self.vector_attention = vector_shapes(cfg.head_dim, self.cache.block_size)
         arch = layer_kernels.arch_key(cfg.arch)
         self._layer_calls = []
+        unrotated = ()
         for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, parts) in enumerate(self.layers):
             keys = tuple(layer_kernels.product_key(w) for w in (w_qkv, w_o, w_gu, w_down))
             window = cfg.window(i)
             cos, sin = self.rope_local if window else (self.rope_cos, self.rope_sin)
+            if not cfg.arch.rotates(i):  # NoPE: cos 1, sin 0 rotate by nothing, exactly (one pair of tables)
+                unrotated = cos, sin = unrotated or (np.ones_like(cos), np.zeros_like(sin))
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
                     *(layer_kernels.product_args(w) for w in (w_gu, w_down)), *self.layer_kv(i),
                     (*parts, cos, sin, window))
