@@ -12,6 +12,10 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           unpermuted; tied output head (no `output.weight`: the embedding is reused).
 - qwen3:  NEOX RoPE, per-head RMSNorm of Q and K (attn_q_norm / attn_k_norm) before RoPE, head_dim from
           `{arch}.attention.key_length` (not n_embd / n_head).
+- gemma2: like gemma3 without QK-norm, with a sliding window on every other layer (il % 2 == 0; llama.cpp's
+          built-in period 2; the local RoPE base is the global one) and soft-capped attention scores and output
+          logits: s -> cap * tanh(s / cap), caps from `{arch}.attn_logit_softcapping` (after the 1/sqrt(head_dim)
+          scale, before the softmax) and `{arch}.final_logit_softcapping`.
 - gemma3: NEOX RoPE, QK-norm, norms after attention and after the FFN (post_attention_norm, post_ffw_norm),
           GELU (tanh approximation) gate, embeddings scaled by sqrt(n_embd), tied output head, attention scale
           1/sqrt(head_dim), and sliding-window attention on the "local" layers: llama.cpp fixes the pattern at 6
@@ -48,7 +52,7 @@ class ArchSpec:
     activation: str                # gate activation of the gated FFN: "silu" or "gelu_tanh"
     embed_scale: bool = False      # multiply the token embeddings by sqrt(n_embd)
     swa_period: int | None = None  # llama.cpp's built-in sliding-window period (None: every layer global)
-    swa_rope_base: float = 10000.0  # llama.cpp's built-in RoPE base for the local layers
+    swa_rope_base: float | None = 10000.0  # llama.cpp's built-in RoPE base for the local layers (None: the global one)
     no_rope_period: int = 0        # llama.cpp's built-in NoPE step: layer il skips RoPE iff (il + 1) % period == 0
 
 
@@ -56,6 +60,7 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(rope="adjacent", activation="silu"),
     "qwen2": ArchSpec(rope="neox", activation="silu"),
     "qwen3": ArchSpec(rope="neox", activation="silu"),
+    "gemma2": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=2, swa_rope_base=None),
     "gemma3": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=6),
     "phi3": ArchSpec(rope="neox", activation="silu"),
     "smollm3": ArchSpec(rope="adjacent", activation="silu", no_rope_period=4),
@@ -78,6 +83,8 @@ class RefModel:
     rope_freqs: np.ndarray | None  # per-frequency divisors (Llama 3's, or LongRoPE's for this context), or None
     tensors: dict[str, np.ndarray] = field(repr=False)
     rope_dim: int = 0              # dims of each head that rotate (0: all)
+    attn_softcap: float = 0.0      # attention scores -> cap * tanh(score / cap) before the softmax (0: none)
+    final_softcap: float = 0.0     # the same on the output logits
     rope_mscale: float = 1.0       # cos and sin times this (LongRoPE's attn_factor)
 
     @property
@@ -135,13 +142,16 @@ def load_gguf(path: str | Path) -> RefModel:
         head_dim=int(_field(reader, f"{arch}.attention.key_length", n_embd // n_head)),
         eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_base_swa=float(_field(reader, f"{arch}.rope.freq_base_swa", ARCHS[arch].swa_rope_base)),
+        rope_base_swa=float(_field(reader, f"{arch}.rope.freq_base_swa", ARCHS[arch].swa_rope_base
+                                   or _field(reader, f"{arch}.rope.freq_base", 10000.0))),
         sliding_window=window,
         local_layers=local_layers(arch, n_layer, _field(reader, f"{arch}.attention.sliding_window_pattern"))
         if window else frozenset(),
         rope_freqs=rope_divisors(reader, arch, tensors),
         rope_dim=int(_field(reader, f"{arch}.rope.dimension_count", 0)),
         rope_mscale=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        attn_softcap=float(_field(reader, f"{arch}.attn_logit_softcapping", 0.0)),
+        final_softcap=float(_field(reader, f"{arch}.final_logit_softcapping", 0.0)),
         tensors=tensors,
     )
 
@@ -213,12 +223,15 @@ def attention_mask(n: int, window: int = 0) -> np.ndarray:
     return allowed
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, allowed: np.ndarray) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, allowed: np.ndarray,
+              softcap: float = 0.0) -> np.ndarray:
     """Grouped-query softmax attention. q: (T, H, D), k/v: (T, Hkv, D) -> (T, H * D)."""
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
     scores = np.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:  # gemma2
+        scores = softcap * np.tanh(scores / softcap)
     scores = np.where(allowed[None], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
@@ -262,7 +275,7 @@ def self_attention(m: RefModel, il: int, x: np.ndarray, positions: np.ndarray) -
         q, k = (np.concatenate([rope(x[..., :rot], positions, inv_freq, m.rope_mscale), x[..., rot:]], axis=-1)
                 for x in (q, k))
     allowed = attention_mask(n, m.sliding_window if local else 0)
-    out = attention(q, k, v, 1.0 / np.sqrt(m.head_dim), allowed)
+    out = attention(q, k, v, 1.0 / np.sqrt(m.head_dim), allowed, m.attn_softcap)
     return linear(out, m.t(b + "attn_output.weight"))
 
 
@@ -291,7 +304,8 @@ def forward(m: RefModel, tokens) -> np.ndarray:
         h = block(m, il, h, positions)
     h = rms_norm(h, m.t("output_norm.weight"), m.eps)
     head = m.t("output.weight")
-    return linear(h, embd if head is None else head)
+    logits = linear(h, embd if head is None else head)
+    return m.final_softcap * np.tanh(logits / m.final_softcap) if m.final_softcap else logits
 
 
 def variant(m: RefModel, **changes) -> RefModel:

@@ -1,4 +1,4 @@
-"""Each supported architecture (llama, qwen2, qwen3, gemma3, phi3, smollm3) runs in the engine's CPU runner and computes
+"""Each supported architecture (llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3) runs in the engine's CPU runner and computes
 what transformers computes: tiny random GGUFs written the way llama.cpp's converter writes each
 architecture (tests/fixtures/arch, made by tests/fixtures/make_arch_fixtures.py with transformers'
 float32 logits of the same weights). Exact numerics match within 1e-3 with the same top-1 everywhere;
@@ -18,7 +18,7 @@ from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.model.gguf_loader import GGUFModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3"]
 CACHE = CacheConfig(block_size=16, num_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128)
 
 
@@ -80,12 +80,13 @@ def test_int8_numerics_agree_on_top1(arch):
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 @pytest.mark.parametrize("numerics", ["int8", "exact"])
-def test_sliding_window_model_is_batch_invariant(numerics):
-    """Gemma 3 fixture: one token per step == the whole prompt at once == ragged chunks beside another
-    request, bit for bit, over 40 tokens (5x the window)."""
-    runner = make_runner("gemma3", numerics)
-    tokens = np.load(FIXTURES / "gemma3_logits.npz")["tokens_long"].astype(np.int32)
+def test_sliding_window_model_is_batch_invariant(numerics, arch):
+    """Gemma 2 and 3 fixtures (Gemma 2's scores soft-capped too): one token per step == the whole prompt at
+    once == ragged chunks beside another request, bit for bit, over 40 tokens (5x the window)."""
+    runner = make_runner(arch, numerics)
+    tokens = np.load(FIXTURES / f"{arch}_logits.npz")["tokens_long"].astype(np.int32)
     other = np.random.default_rng(5).integers(0, 300, size=40).astype(np.int32)
     one_by_one = logits_in_chunks(runner, tokens, [1] * len(tokens))
     np.testing.assert_array_equal(logits_in_chunks(runner, tokens, [len(tokens)]), one_by_one)

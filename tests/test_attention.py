@@ -32,8 +32,9 @@ def make_case(head_dim: int, block_size: int, runs: list[tuple[int, int]], seed:
     return qkv, k_cache, v_cache, cu_q, positions, block_tables
 
 
-def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale, window=0):
-    """float64 attention of each query over keys 0..position of its own request (the last `window` of them)."""
+def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale, window=0, softcap=0.0):
+    """float64 attention of each query over keys 0..position of its own request (the last `window` of them);
+    softcap > 0: scores soft-capped as cap * tanh(score / cap) (Gemma 2)."""
     head_dim = k_cache.shape[2]
     out = np.zeros((qkv.shape[0], NUM_HEADS * head_dim))
     for r in range(len(cu_q) - 1):
@@ -45,6 +46,8 @@ def reference(qkv, k_cache, v_cache, cu_q, positions, block_tables, scale, windo
             for h in range(NUM_HEADS):
                 kvh = h // (NUM_HEADS // NUM_KV)
                 s = keys[lo:n, kvh] @ qkv[t, h * head_dim:(h + 1) * head_dim].astype(np.float64) * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
                 p = np.exp(s - s.max())
                 out[t, h * head_dim:(h + 1) * head_dim] = p @ vals[lo:n, kvh] / p.sum()
     return out
@@ -108,6 +111,21 @@ def test_vector_kernel_matches_a_float64_reference(head_dim, block_size, heads, 
         want = reference(*twin, scale, window)
         for kernel in A._ATTENTION_VEC:
             np.testing.assert_allclose(run(kernel, case, scale, window), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim,block_size,cache", [(64, 16, c) for c in CACHES] + [(40, 4, "float32")])
+def test_soft_capped_scores_match_a_float64_reference(head_dim, block_size, cache):
+    """A soft cap (Gemma 2) through the Python entry point: the vector tiles, the split decode path (a request
+    past SPLIT_MIN_KEYS in a decode batch) and the general kernel (head_dim 40, float32 cache only), with and
+    without a window."""
+    for runs in ([(37, 1), (5, 4), (0, 9), (80, 3)], [(1100, 1), (47, 1)]):
+        case, twin = CACHES[cache](make_case(head_dim, block_size, runs, seed=4))
+        for window in (0, 13):
+            out = np.empty((case[0].shape[0], NUM_HEADS * head_dim), np.float32)
+            A.paged_attention(*case, NUM_HEADS, 1 / np.sqrt(head_dim), out, window, softcap=0.7)
+            want = reference(*twin, 1 / np.sqrt(head_dim), window, softcap=0.7)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5)
+            assert np.abs(want - reference(*twin, 1 / np.sqrt(head_dim), window)).max() > 1e-2  # the cap binds
 
 
 def one_query(case, t):

@@ -22,7 +22,7 @@ import numba as nb
 import numpy as np
 
 from engine.kernels.attention_split import decode_attention, splits
-from engine.kernels.attention_vec import first_key, paged_attention_vec
+from engine.kernels.attention_vec import first_key, paged_attention_vec, score_scale, soft_cap
 from engine.kernels.ops import _twice, q8_scale
 from engine.kernels.simd import f16_bits
 
@@ -86,12 +86,16 @@ def _write_kv_q8(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
 def _softmax_rows(scores, positions, t0, num_q, scale, window):
     """scores[qi, lo:keys] = exp(scores * scale - max) over keys lo..position, in key order; [num_q] 1 / sums."""
     inv = np.empty(num_q, dtype=np.float32)
+    scale, cap = score_scale(scale)
     for qi in range(num_q):
         num_keys = positions[t0 + qi] + 1
         lo = first_key(num_keys, window)
+        if cap > 0:
+            soft_cap(scores[qi], lo, num_keys, scale, cap)
         m = np.float32(-np.inf)
         for j in range(lo, num_keys):
-            scores[qi, j] *= scale
+            if cap == 0:
+                scores[qi, j] *= scale
             if scores[qi, j] > m:
                 m = scores[qi, j]
         denom = np.float32(0.0)
@@ -172,13 +176,16 @@ def write_kv(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size):
     fn(qkv, k_cache, v_cache, slot_mapping, q_size, kv_size)
 
 
-def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out, window: int = 0):
+def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, out, window: int = 0,
+                    softcap: float = 0.0):
+    """softcap > 0: scores soft-capped as cap * tanh(score * scale / cap) before the softmax (Gemma 2)."""
     num_tokens = qkv.shape[0]
+    scale = (np.float32(scale), np.float32(softcap)) if softcap else np.float32(scale)
     work = num_tokens * num_heads * (int(positions.max()) + 1) if num_tokens else 0
     values = k_cache[0] if isinstance(k_cache, tuple) else k_cache
     vector = vector_shapes(values.shape[2], values.shape[3])
     if vector and num_tokens and splits(num_tokens, cu_q, int(positions.max()) + 1, num_heads, values.shape[0]):
-        decode_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out,
+        decode_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, window, out,
                          nb.get_num_threads())
         return
     if vector:
@@ -188,4 +195,4 @@ def paged_attention(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_he
     else:
         pair = _ATTENTION
     fn = pair[1] if work >= PARALLEL_MIN_WORK else pair[0]
-    fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, np.float32(scale), window, out, nb.get_num_threads())
+    fn(qkv, k_cache, v_cache, cu_q, positions, block_tables, num_heads, scale, window, out, nb.get_num_threads())

@@ -74,6 +74,29 @@ def _cache_parts(entry):
     return lambda entry: (entry, None)
 
 
+def score_scale(scale):
+    """A kernel's `scale` as (scale, soft cap): a float32 alone, or a (scale, cap) pair for a model that soft-caps
+    its attention logits (Gemma 2: s -> cap * tanh(s * scale / cap) before the softmax); cap 0 = none."""
+    if isinstance(scale, tuple):
+        return scale[0], scale[1]
+    return scale, np.float32(0.0)
+
+
+@overload(score_scale, inline="always")
+def _score_scale(scale):
+    if isinstance(scale, types.BaseTuple):
+        return lambda scale: (scale[0], scale[1])
+    return lambda scale: (scale, np.float32(0.0))
+
+
+@nb.njit(cache=True, inline="always")
+def soft_cap(row, lo, hi, scale, cap):
+    """row[lo:hi] = cap * tanh(row * scale / cap) in place, key by key (the same bits in every kernel)."""
+    k = scale / cap
+    for j in range(lo, hi):
+        row[j] = cap * np.tanh(row[j] * k)
+
+
 @nb.njit(cache=True, inline="always")
 def _scaled(part, acc, k_scale, sidx):
     """The score sum after one span of dims: the span's sum alone (float cache, one span of head_dim),
@@ -137,8 +160,12 @@ def _scale_index(a, d0, hd, bs):
 @nb.njit(cache=True)
 def _softmax(scores, r, lo, num_keys, scale):
     """scores[r, lo:num_keys] = exp(s * scale - max) in place (zero before lo in its 16-key chunk);
-    returns 1 / their sum."""
+    returns 1 / their sum. A (scale, cap) pair soft-caps the scores first (score_scale)."""
     wide_registers()
+    scale, cap = score_scale(scale)
+    if cap > 0:
+        soft_cap(scores[r], lo, num_keys, scale, cap)
+        scale = np.float32(1.0)
     tops = f32_splat(np.float32(-np.inf), 1)  # lane maxima, folded once
     for c in range(lo - lo % 16, num_keys, 16):
         s = f32_keep(f32_mul(row_f32(scores[r], c), f32_splat(scale, 1)), num_keys - c, -np.inf)

@@ -17,7 +17,7 @@ people download load as they are:
               window of `{arch}.attention.sliding_window` keys; 0: every layer global. A file's
               own `{arch}.attention.sliding_window_pattern` takes precedence.
   swa_rope_base  RoPE base of the sliding-window layers when the file does not give
-              `{arch}.rope.freq_base_swa` (llama.cpp's default for the architecture).
+              `{arch}.rope.freq_base_swa` (llama.cpp's default for the architecture; 0: the global base).
   no_rope_period  every n-th layer (n-1, 2n-1, ...) attends without RoPE ("NoPE"); llama.cpp hard-codes
               the period per architecture (no GGUF key), 0: every layer rotates.
 
@@ -63,6 +63,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         # Phi-3 / 3.5 / 4-mini: q, k, v and gate, up stored fused (gguf_loader.stacked_names). Its files carry a
         # sliding_window (2047 in Phi-3-mini); llama.cpp ignores it (ggml-org/llama.cpp#13676), and so do we.
         Architecture("phi3", rope="neox"),
+        # Gemma 2: its attention and output logits soft-capped (the file's attn_logit_softcapping and
+        # final_logit_softcapping), every other layer (0, 2, ...) on the sliding window
+        Architecture("gemma2", rope="neox", post_norms=True, activation="gelu_tanh", embed_scale=True, swa_pattern=2),
         Architecture("gemma3", rope="neox", qk_norm=True, post_norms=True, activation="gelu_tanh",
                      embed_scale=True, swa_pattern=6, swa_rope_base=10_000.0),
     )

@@ -267,8 +267,11 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
     def token_meta(self, batch: ForwardBatch) -> tuple:
         """The layers' `meta` argument for a batch (see engine/kernels/layer.py `_layer`)."""
         cfg = self.config
+        scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        if cfg.attn_softcap:  # attention_vec.score_scale: (scale, cap)
+            scale = (scale, np.float32(cfg.attn_softcap))
         return (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
-                np.float32(cfg.rms_eps), np.float32(1.0 / np.sqrt(cfg.head_dim)),
+                np.float32(cfg.rms_eps), scale,
                 cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim, numba.get_num_threads())
 
     def forward(self, batch: ForwardBatch) -> np.ndarray:
@@ -296,6 +299,10 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             ops.rms_norm(rows, self.final_norm, cfg.rms_eps, normed)
         logits = self.logits[:L]
         linear(normed, self.lm_head, logits)
+        if cfg.final_softcap:  # cap * tanh(logits / cap), element by element (Gemma 2)
+            cap = np.float32(cfg.final_softcap)
+            np.tanh(np.divide(logits, cap, out=logits), out=logits)
+            logits *= cap
         return logits
 
     def hidden_states(self, num_tokens: int) -> np.ndarray:

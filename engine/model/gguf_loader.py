@@ -44,6 +44,8 @@ class ModelConfig:
     local_layers: tuple[int, ...] = ()  # the layers that attend over the sliding window
     rope_theta_local: float = 0.0  # RoPE base of the local layers
     rope_attn_factor: float = 1.0  # RoPE's cos and sin scaled by it (LongRoPE's magnitude correction)
+    attn_softcap: float = 0.0  # attention logits soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = none
+    final_softcap: float = 0.0  # the same on the output logits
 
     def window(self, layer: int) -> int:
         """Keys that `layer` attends to, itself included (0: all of them)."""
@@ -114,8 +116,11 @@ class GGUFModel:
             arch=decl,
             sliding_window=window,
             local_layers=self._local_layers(decl, num_layers) if window else (),
-            rope_theta_local=float(_field(r, f"{arch}.rope.freq_base_swa", decl.swa_rope_base or 10_000.0)),
+            rope_theta_local=float(_field(r, f"{arch}.rope.freq_base_swa",
+                                          decl.swa_rope_base or _field(r, f"{arch}.rope.freq_base", 10000.0))),
             rope_attn_factor=float(_field(r, f"{arch}.rope.scaling.attn_factor", 1.0)),
+            attn_softcap=float(_field(r, f"{arch}.attn_logit_softcapping", 0.0)),
+            final_softcap=float(_field(r, f"{arch}.final_logit_softcapping", 0.0)),
         )
 
     def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
