@@ -109,7 +109,7 @@ def test_pieces_are_the_exact_token_bytes(tokenizer):
 BYTE_CHARS = sorted(_byte_decoder(), key=_byte_decoder().get)  # 256 byte-level chars, byte order
 TINY_SPECIALS = ["<|im_start|>", "<|im_end|>"]
 TINY_MERGES = ["Ġ Ġ", "Ġ 1", "h i"]
-TINY_TOKENS = TINY_SPECIALS + BYTE_CHARS + ["ĠĠ", "Ġ1", "hi"]
+TINY_TOKENS = TINY_SPECIALS + BYTE_CHARS + ["ĠĠ", "Ġ1", "hi", "hid"]  # no merge makes "hid"
 
 
 def _write_tiny_gguf(path: pathlib.Path, *, model="gpt2", pre="gpt2", template=None) -> pathlib.Path:
@@ -162,6 +162,22 @@ def test_gpt4o_pre_tokenizer_splits_as_its_regex_reads(tmp_path):
     pieces = [p for p, _ in split("camelCase HTTPServer World's 12345 x\n\nfoo/bar")]
     assert [bytes(_byte_decoder()[c] for c in p).decode() for p in pieces] == [
         "camel", "Case", " HTTPServer", " World's", " ", "123", "45", " x", "\n\n", "foo", "/bar"]
+
+
+@pytest.mark.parametrize("pre, whole", [("llama-bpe", True), ("tekken", True), ("gpt2", False), ("qwen2", False)])
+def test_a_word_in_the_vocabulary_is_one_token_where_llama_cpp_ignores_merges(tmp_path, pre, whole):
+    """Llama 3's family and tekken take a pre-token found whole in the vocabulary as one token (their
+    tokenizer.json's ignore_merges; llama.cpp's too); the others build it from the merges alone."""
+    tokenizer = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "tiny.gguf", pre=pre))
+    assert _pieces(tokenizer, "hid") == (["hid"] if whole else ["hi", "d"])
+
+
+def test_tekken_pre_tokenizer_splits_as_its_regex_reads(tmp_path):
+    """tekken (Mistral Nemo and later): GPT-4o's words without its contractions, every digit alone."""
+    tokenizer = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "tiny.gguf", pre="tekken"))
+    pieces = [p for p, _ in tokenizer._backend.pre_tokenizer.pre_tokenize_str("camelCase 123 don't\n")]
+    assert [bytes(_byte_decoder()[c] for c in p).decode() for p in pieces] == [
+        "camel", "Case", " ", "1", "2", "3", " don", "'t", "\n"]
 
 
 def test_missing_template_falls_back_to_chatml(tmp_path):

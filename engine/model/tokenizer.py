@@ -42,6 +42,12 @@ _GPT4O_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Mistral's tekken (Mistral Nemo, Small 3, Ministral): GPT-4o's split without its contractions, digits alone.
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's fallback for files that name no known pre-tokenizer: four regex passes.
 _LLAMACPP_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
 
@@ -59,13 +65,19 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "refact": (r"\p{N}", _GPT2_SPLIT),
     "llama-bpe": (_LLAMA3_SPLIT,),
     "llama3": (_LLAMA3_SPLIT,),
+    "llama-v3": (_LLAMA3_SPLIT,),
+    "pixtral": (_LLAMA3_SPLIT,),
     "smaug-bpe": (_LLAMA3_SPLIT,),
     "dbrx": (_LLAMA3_SPLIT,),
     "falcon3": (_LLAMA3_SPLIT,),
     "qwen2": (_QWEN2_SPLIT,),
     "deepseek-r1-qwen": (_QWEN2_SPLIT,),
     "gpt-4o": (_GPT4O_SPLIT,),  # Phi-4-mini
+    "tekken": (_TEKKEN_SPLIT,),
 }
+# Pre-tokenizers whose words found whole in the vocabulary are one token, whatever the merges would make of
+# them (llama.cpp's `ignore_merges`, as these models' own tokenizer.json files say).
+_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "tekken"})
 
 # Control tokens that end a turn in common chat formats, stopped on besides EOS.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
@@ -87,8 +99,10 @@ def _pre_tokenizer(pre_type: str) -> pre_tokenizers.PreTokenizer:
 
 def _bpe_backend(meta: dict[str, Any], tokens: list[str], token_types: list[int]) -> BackendTokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    backend = BackendTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    pre_type = meta.get("tokenizer.ggml.pre", "default")
+    backend = BackendTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
+                                          ignore_merges=pre_type in _IGNORE_MERGES))
+    backend.pre_tokenizer = _pre_tokenizer(pre_type)
     backend.decoder = decoders.ByteLevel()
     add_whole_tokens(backend, tokens, token_types)  # <|im_start|> and the like: one id each
     return backend
