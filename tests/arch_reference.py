@@ -32,6 +32,9 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           `{arch}.rope.dimension_count` dims of each head rotate.
 - smollm3: llama (permuted Q/K, adjacent pairs), but every 4th layer (il % 4 == 3) applies no RoPE at all;
           llama.cpp hard-codes the step (no GGUF key).
+- granite: llama with four multipliers from the metadata: embeddings times `{arch}.embedding_scale`, attention
+          scores times `{arch}.attention.scale` (instead of 1/sqrt(head_dim)), each sublayer's output times
+          `{arch}.residual_scale` before the residual add, the logits divided by `{arch}.logit_scale`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ ARCHS: dict[str, ArchSpec] = {
     "gemma3": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=6),
     "phi3": ArchSpec(rope="neox", activation="silu"),
     "smollm3": ArchSpec(rope="adjacent", activation="silu", no_rope_period=4),
+    "granite": ArchSpec(rope="adjacent", activation="silu"),
 }
 
 
@@ -86,6 +90,10 @@ class RefModel:
     attn_softcap: float = 0.0      # attention scores -> cap * tanh(score / cap) before the softmax (0: none)
     final_softcap: float = 0.0     # the same on the output logits
     rope_mscale: float = 1.0       # cos and sin times this (LongRoPE's attn_factor)
+    embedding_scale: float = 1.0   # granite's four multipliers (attention_scale 0: 1/sqrt(head_dim))
+    attention_scale: float = 0.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
 
     @property
     def spec(self) -> ArchSpec:
@@ -152,6 +160,10 @@ def load_gguf(path: str | Path) -> RefModel:
         rope_mscale=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
         attn_softcap=float(_field(reader, f"{arch}.attn_logit_softcapping", 0.0)),
         final_softcap=float(_field(reader, f"{arch}.final_logit_softcapping", 0.0)),
+        embedding_scale=float(_field(reader, f"{arch}.embedding_scale", 1.0)),
+        attention_scale=float(_field(reader, f"{arch}.attention.scale", 0.0)),
+        residual_scale=float(_field(reader, f"{arch}.residual_scale", 1.0)),
+        logit_scale=float(_field(reader, f"{arch}.logit_scale", 1.0)),
         tensors=tensors,
     )
 
@@ -275,7 +287,7 @@ def self_attention(m: RefModel, il: int, x: np.ndarray, positions: np.ndarray) -
         q, k = (np.concatenate([rope(x[..., :rot], positions, inv_freq, m.rope_mscale), x[..., rot:]], axis=-1)
                 for x in (q, k))
     allowed = attention_mask(n, m.sliding_window if local else 0)
-    out = attention(q, k, v, 1.0 / np.sqrt(m.head_dim), allowed, m.attn_softcap)
+    out = attention(q, k, v, m.attention_scale or 1.0 / np.sqrt(m.head_dim), allowed, m.attn_softcap)
     return linear(out, m.t(b + "attn_output.weight"))
 
 
@@ -285,11 +297,11 @@ def block(m: RefModel, il: int, h: np.ndarray, positions: np.ndarray) -> np.ndar
     a = self_attention(m, il, rms_norm(h, m.t(b + "attn_norm.weight"), m.eps), positions)
     if m.t(b + "post_attention_norm.weight") is not None:
         a = rms_norm(a, m.t(b + "post_attention_norm.weight"), m.eps)
-    h = h + a
+    h = h + a * m.residual_scale
     f = gated_ffn(m, il, rms_norm(h, m.t(b + "ffn_norm.weight"), m.eps))
     if m.t(b + "post_ffw_norm.weight") is not None:
         f = rms_norm(f, m.t(b + "post_ffw_norm.weight"), m.eps)
-    return h + f
+    return h + f * m.residual_scale
 
 
 def forward(m: RefModel, tokens) -> np.ndarray:
@@ -299,12 +311,13 @@ def forward(m: RefModel, tokens) -> np.ndarray:
     h = embd[tokens]
     if m.spec.embed_scale:
         h = h * np.sqrt(m.n_embd)
+    h = h * m.embedding_scale
     positions = np.arange(len(tokens), dtype=np.float64)
     for il in range(m.n_layer):
         h = block(m, il, h, positions)
     h = rms_norm(h, m.t("output_norm.weight"), m.eps)
     head = m.t("output.weight")
-    logits = linear(h, embd if head is None else head)
+    logits = linear(h, embd if head is None else head) / m.logit_scale
     return m.final_softcap * np.tanh(logits / m.final_softcap) if m.final_softcap else logits
 
 

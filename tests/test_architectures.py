@@ -1,4 +1,4 @@
-"""Each supported architecture (llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3) runs in the engine's CPU runner and computes
+"""Each supported architecture (llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite) runs in the engine's CPU runner and computes
 what transformers computes: tiny random GGUFs written the way llama.cpp's converter writes each
 architecture (tests/fixtures/arch, made by tests/fixtures/make_arch_fixtures.py with transformers'
 float32 logits of the same weights). Exact numerics match within 1e-3 with the same top-1 everywhere;
@@ -18,7 +18,7 @@ from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.model.gguf_loader import GGUFModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
 CACHE = CacheConfig(block_size=16, num_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128)
 
 

@@ -133,3 +133,9 @@ def skip_head_norms(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, head_
 @nb.njit(cache=True)
 def skip_post_norm(x, weight, eps, par):
     pass
+
+
+@nb.njit(cache=True)
+def scale_output(x, weight, eps, par):
+    """A sublayer's output times its residual multiplier (weight[0]) before the residual add (Granite)."""
+    x *= weight[0]

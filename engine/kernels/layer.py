@@ -176,17 +176,18 @@ _ACTIVATIONS = {"silu": ops._SWIGLU, "gelu_tanh": arch_ops._GEGLU}
 
 
 def arch_key(arch) -> tuple:
-    """The layer-build key of an Architecture: (rope, qkv_bias, qk_norm, post_norms, activation)."""
-    return (arch.rope, arch.qkv_bias, arch.qk_norm, arch.post_norms, arch.activation)
+    """The layer-build key of an Architecture: (rope, qkv_bias, qk_norm, post_norms, activation, residual_scale)."""
+    return (arch.rope, arch.qkv_bias, arch.qk_norm, arch.post_norms, arch.activation, arch.residual_scale)
 
 
 def _arch_parts(key: tuple) -> dict:
-    rope, qkv_bias, qk_norm, post_norms, activation = key
+    rope, qkv_bias, qk_norm, post_norms, activation, residual_scale = key
+    post = arch_ops.post_norm if post_norms else arch_ops.scale_output if residual_scale else arch_ops.skip_post_norm
     return dict(_rope_s=_ROPES[rope][0], _rope_p=_ROPES[rope][1],
                 _act_s=_ACTIVATIONS[activation][0], _act_p=_ACTIVATIONS[activation][1],
                 _bias=arch_ops.add_bias if qkv_bias else arch_ops.skip_bias,
                 _head_norms=arch_ops.head_norms if qk_norm else arch_ops.skip_head_norms,
-                _post_norm=arch_ops.post_norm if post_norms else arch_ops.skip_post_norm)
+                _post_norm=post)
 
 
 _KV_WRITERS = {"float32": attention._WRITE_KV, "float16": attention._WRITE_KV_F16, "int8": attention._WRITE_KV_Q8}

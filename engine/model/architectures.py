@@ -20,6 +20,8 @@ people download load as they are:
               `{arch}.rope.freq_base_swa` (llama.cpp's default for the architecture; 0: the global base).
   no_rope_period  every n-th layer (n-1, 2n-1, ...) attends without RoPE ("NoPE"); llama.cpp hard-codes
               the period per architecture (no GGUF key), 0: every layer rotates.
+  residual_scale  each sublayer's output times `{arch}.residual_scale` before the residual add (Granite;
+              its `embedding_scale`, `attention.scale` and `logit_scale` are read for any architecture).
 
 Gemma's norm weights are stored in GGUF with its "1 +" already added, so every norm is x*w here.
 """
@@ -44,6 +46,7 @@ class Architecture:
     swa_pattern: int = 0
     swa_rope_base: float = 0.0
     no_rope_period: int = 0
+    residual_scale: bool = False
 
     def __post_init__(self):
         assert self.rope in ROPE_STYLES and self.activation in ACTIVATIONS, self
@@ -58,6 +61,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     for a in (
         Architecture("llama"),  # Llama 1-3, Mistral, SmolLM: llama.cpp writes them all as "llama"
         Architecture("smollm3", no_rope_period=4),  # SmolLM3: Llama with every 4th layer unrotated
+        Architecture("granite", residual_scale=True),  # IBM Granite 3.x (dense): Llama with four multipliers
         Architecture("qwen2", rope="neox", qkv_bias=True),
         Architecture("qwen3", rope="neox", qk_norm=True),
         # Phi-3 / 3.5 / 4-mini: q, k, v and gate, up stored fused (gguf_loader.stacked_names). Its files carry a

@@ -196,8 +196,11 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             bias = np.concatenate([model.dense(p + f"attn_{n}.bias").reshape(-1) for n in "qkv"])
         q_norm, k_norm = (model.dense(p + "attn_q_norm.weight"), model.dense(p + "attn_k_norm.weight")) \
             if arch.qk_norm else (none, none)
-        post = (model.dense(p + "post_attention_norm.weight"), model.dense(p + "post_ffw_norm.weight")) \
-            if arch.post_norms else (none, none)
+        post = (none, none)
+        if arch.post_norms:
+            post = (model.dense(p + "post_attention_norm.weight"), model.dense(p + "post_ffw_norm.weight"))
+        elif arch.residual_scale:  # arch_ops.scale_output's multiplier, in the post-norm's place
+            post = (np.array([self.config.residual_scale], np.float32),) * 2
         return (bias, q_norm.reshape(-1), k_norm.reshape(-1), *post)
 
     def _alloc_activations(self) -> None:
@@ -267,7 +270,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
     def token_meta(self, batch: ForwardBatch) -> tuple:
         """The layers' `meta` argument for a batch (see engine/kernels/layer.py `_layer`)."""
         cfg = self.config
-        scale = np.float32(1.0 / np.sqrt(cfg.head_dim))
+        scale = np.float32(cfg.attention_scale or 1.0 / np.sqrt(cfg.head_dim))
         if cfg.attn_softcap:  # attention_vec.score_scale: (scale, cap)
             scale = (scale, np.float32(cfg.attn_softcap))
         return (self.positions, self.slot_mapping, batch.cu_q[: batch.num_reqs + 1], batch.block_tables,
@@ -285,6 +288,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.embed_table.rows(batch.token_ids[:T], x)
         if cfg.arch.embed_scale:
             x *= np.float32(np.sqrt(cfg.hidden_size))
+        elif cfg.embedding_scale != 1.0:
+            x *= np.float32(cfg.embedding_scale)
         meta = self.token_meta(batch)
         for i, (enter, (_, args)) in enumerate(zip(self._entries_for(meta), self._layer_calls)):
             enter(T, i == 0, args, meta)
@@ -299,6 +304,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             ops.rms_norm(rows, self.final_norm, cfg.rms_eps, normed)
         logits = self.logits[:L]
         linear(normed, self.lm_head, logits)
+        if cfg.logit_scale != 1.0:  # as llama.cpp: times 1 / scale (Granite)
+            logits *= np.float32(1.0 / cfg.logit_scale)
         if cfg.final_softcap:  # cap * tanh(logits / cap), element by element (Gemma 2)
             cap = np.float32(cfg.final_softcap)
             np.tanh(np.divide(logits, cap, out=logits), out=logits)

@@ -46,6 +46,10 @@ class ModelConfig:
     rope_attn_factor: float = 1.0  # RoPE's cos and sin scaled by it (LongRoPE's magnitude correction)
     attn_softcap: float = 0.0  # attention logits soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = none
     final_softcap: float = 0.0  # the same on the output logits
+    embedding_scale: float = 1.0  # token embeddings times this (Granite; Gemma's sqrt(hidden) is its architecture's)
+    attention_scale: float = 0.0  # attention scores times this; 0: 1 / sqrt(head_dim)
+    residual_scale: float = 1.0  # each sublayer's output times this before the residual add (Granite)
+    logit_scale: float = 1.0  # output logits divided by this (Granite)
 
     def window(self, layer: int) -> int:
         """Keys that `layer` attends to, itself included (0: all of them)."""
@@ -121,6 +125,10 @@ class GGUFModel:
             rope_attn_factor=float(_field(r, f"{arch}.rope.scaling.attn_factor", 1.0)),
             attn_softcap=float(_field(r, f"{arch}.attn_logit_softcapping", 0.0)),
             final_softcap=float(_field(r, f"{arch}.final_logit_softcapping", 0.0)),
+            embedding_scale=float(_field(r, f"{arch}.embedding_scale", 1.0)),
+            attention_scale=float(_field(r, f"{arch}.attention.scale", 0.0)),
+            residual_scale=float(_field(r, f"{arch}.residual_scale", 1.0)),
+            logit_scale=float(_field(r, f"{arch}.logit_scale", 1.0)),
         )
 
     def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
