@@ -189,7 +189,9 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
 
     def _layer_parts(self, model: GGUFModel, p: str) -> tuple:
         """The architecture's optional per-layer vectors, empty where it has none:
-        (qkv bias [q + 2 kv], q norm [head_dim], k norm [head_dim], post-attention norm, post-FFN norm)."""
+        (qkv bias [q + 2 kv], q norm [head_dim], k norm [head_dim], post-attention, post-FFN), the last two
+        what the layer's `_post_norm` applies to a sublayer's output: RMSNorm weights [hidden] (Gemma) or
+        the residual multiplier [1] (Granite, arch_ops.scale_output)."""
         arch, none = self.config.arch, np.zeros(0, np.float32)
         bias = none
         if arch.qkv_bias:
