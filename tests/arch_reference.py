@@ -32,6 +32,11 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           `{arch}.rope.dimension_count` dims of each head rotate.
 - smollm3: llama (permuted Q/K, adjacent pairs), but every 4th layer (il % 4 == 3) applies no RoPE at all;
           llama.cpp hard-codes the step (no GGUF key).
+- YaRN (`{arch}.rope.scaling.type = yarn`; the qwen3 fixture): ggml's rope_yarn on the global layers: for pair i,
+          theta = theta_interp * (1 - mix) + theta_extrap * mix with theta_interp = theta_extrap / factor and
+          mix = 1 - clamp((i - low) / max(0.001, high - low), 0, 1), low / high the floor / ceil of the pair that
+          turns beta_fast / beta_slow (32 / 1) times over `rope.scaling.original_context_length`:
+          n_dims * ln(n_ctx_orig / (2 pi beta)) / (2 ln base); cos and sin times 1 + 0.1 ln(factor).
 - granite: llama with four multipliers from the metadata: embeddings times `{arch}.embedding_scale`, attention
           scores times `{arch}.attention.scale` (instead of 1/sqrt(head_dim)), each sublayer's output times
           `{arch}.residual_scale` before the residual add, the logits divided by `{arch}.logit_scale`.
@@ -94,6 +99,7 @@ class RefModel:
     attention_scale: float = 0.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    yarn: tuple[float, int, float, float] | None = None  # (factor, n_ctx_orig, beta_fast, beta_slow), or None
 
     @property
     def spec(self) -> ArchSpec:
@@ -164,8 +170,18 @@ def load_gguf(path: str | Path) -> RefModel:
         attention_scale=float(_field(reader, f"{arch}.attention.scale", 0.0)),
         residual_scale=float(_field(reader, f"{arch}.residual_scale", 1.0)),
         logit_scale=float(_field(reader, f"{arch}.logit_scale", 1.0)),
+        yarn=yarn_params(reader, arch),
         tensors=tensors,
     )
+
+
+def yarn_params(reader: gguf.GGUFReader, arch: str) -> tuple[float, int, float, float] | None:
+    if _field(reader, f"{arch}.rope.scaling.type", "none") != "yarn":
+        return None
+    return (float(_field(reader, f"{arch}.rope.scaling.factor")),
+            int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
+            float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)))
 
 
 def rope_divisors(reader: gguf.GGUFReader, arch: str, tensors: dict) -> np.ndarray | None:
@@ -203,6 +219,19 @@ def rope_inv_freq(base: float, dim: int, freq_factors: np.ndarray | None = None)
     """theta_i = base^(-2i/dim), divided by the Llama-3 factors when the file has `rope_freqs.weight`."""
     inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
     return inv if freq_factors is None else inv / freq_factors
+
+
+def rope_yarn(inv_freq: np.ndarray, base: float, n_dims: int, yarn: tuple) -> tuple[np.ndarray, float]:
+    """ggml's rope_yarn (ext_factor 1): the blended frequencies and the cos/sin magnitude."""
+    factor, n_ctx_orig, beta_fast, beta_slow = yarn
+
+    def corr_dim(n_rot: float) -> float:
+        return n_dims * np.log(n_ctx_orig / (n_rot * 2 * np.pi)) / (2 * np.log(base))
+
+    low, high = max(0.0, np.floor(corr_dim(beta_fast))), min(n_dims - 1.0, np.ceil(corr_dim(beta_slow)))
+    i = np.arange(len(inv_freq))
+    mix = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)
+    return (inv_freq / factor) * (1.0 - mix) + inv_freq * mix, 1.0 + 0.1 * np.log(factor)
 
 
 def rope_adjacent(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, mscale: float = 1.0) -> np.ndarray:
@@ -281,10 +310,14 @@ def self_attention(m: RefModel, il: int, x: np.ndarray, positions: np.ndarray) -
     base = m.rope_base_swa if local else m.rope_base
     rot = m.rope_dim or m.head_dim  # partial rotary: the dims past `rot` pass through
     inv_freq = rope_inv_freq(base, rot, None if m.rope_freqs is None else m.rope_freqs[: rot // 2])
+    mscale = m.rope_mscale
+    if m.yarn is not None and not local:
+        inv_freq, yarn_mscale = rope_yarn(inv_freq, base, rot, m.yarn)
+        mscale *= yarn_mscale
     rope = rope_adjacent if m.spec.rope == "adjacent" else rope_neox
     period = m.spec.no_rope_period
     if not period or (il + 1) % period:
-        q, k = (np.concatenate([rope(x[..., :rot], positions, inv_freq, m.rope_mscale), x[..., rot:]], axis=-1)
+        q, k = (np.concatenate([rope(x[..., :rot], positions, inv_freq, mscale), x[..., rot:]], axis=-1)
                 for x in (q, k))
     allowed = attention_mask(n, m.sliding_window if local else 0)
     out = attention(q, k, v, m.attention_scale or 1.0 / np.sqrt(m.head_dim), allowed, m.attn_softcap)

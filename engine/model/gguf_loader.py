@@ -18,6 +18,7 @@ import numpy as np
 
 from engine.model.architectures import ARCHITECTURES, Architecture, architecture
 from engine.model.gguf_metadata import read_gguf
+from engine.model.rope_scaling import Yarn, read_yarn
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -43,13 +44,14 @@ class ModelConfig:
     sliding_window: int = 0  # keys a local layer sees (itself included)
     local_layers: tuple[int, ...] = ()  # the layers that attend over the sliding window
     rope_theta_local: float = 0.0  # RoPE base of the local layers
-    rope_attn_factor: float = 1.0  # RoPE's cos and sin scaled by it (LongRoPE's magnitude correction)
+    rope_attn_factor: float = 1.0  # RoPE's cos and sin scaled by it (LongRoPE's and YaRN's magnitude corrections)
     attn_softcap: float = 0.0  # attention logits soft-capped as cap * tanh(s / cap) (Gemma 2); 0 = none
     final_softcap: float = 0.0  # the same on the output logits
     embedding_scale: float = 1.0  # token embeddings times this (Granite; Gemma's sqrt(hidden) is its architecture's)
     attention_scale: float = 0.0  # attention scores times this; 0: 1 / sqrt(head_dim)
     residual_scale: float = 1.0  # each sublayer's output times this before the residual add (Granite)
     logit_scale: float = 1.0  # output logits divided by this (Granite)
+    yarn: Yarn | None = None  # YaRN scaling: its divisors come with rope_freq_factors, its magnitude is in the above
 
     def window(self, layer: int) -> int:
         """Keys that `layer` attends to, itself included (0: all of them)."""
@@ -93,9 +95,12 @@ class GGUFModel:
             raise ValueError(f"{self.path.name}: LongRoPE needs both rope_factors_long.weight and "
                              "rope_factors_short.weight")
         scaling = str(_field(r, f"{arch}.rope.scaling.type", "none"))
-        if scaling not in ("none", "linear"):
+        if scaling not in ("none", "linear", "yarn", "longrope"):  # LongRoPE: its factor tensors decide
             raise ValueError(f"unsupported RoPE scaling {scaling!r} in {self.path.name}")
         factor = float(_field(r, f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        context_length = int(_field(r, f"{arch}.context_length", 2048))
+        yarn = read_yarn(r, arch, context_length) if scaling == "yarn" else None
+        attn_factor = float(_field(r, f"{arch}.rope.scaling.attn_factor", 1.0)) * (yarn.magnitude if yarn else 1.0)
         embd = self.tensors["token_embd.weight"]
         vocab = int(_field(r, f"{arch}.vocab_size", int(embd.shape[1])))
         decl = architecture(arch)
@@ -115,20 +120,21 @@ class GGUFModel:
             rope_scale=factor,
             rms_eps=float(_field(r, f"{arch}.attention.layer_norm_rms_epsilon")),
             vocab_size=vocab,
-            context_length=int(_field(r, f"{arch}.context_length", 2048)),
+            context_length=context_length,
             tied_embeddings="output.weight" not in self.tensors,
             arch=decl,
             sliding_window=window,
             local_layers=self._local_layers(decl, num_layers) if window else (),
             rope_theta_local=float(_field(r, f"{arch}.rope.freq_base_swa",
                                           decl.swa_rope_base or _field(r, f"{arch}.rope.freq_base", 10000.0))),
-            rope_attn_factor=float(_field(r, f"{arch}.rope.scaling.attn_factor", 1.0)),
+            rope_attn_factor=attn_factor,
             attn_softcap=float(_field(r, f"{arch}.attn_logit_softcapping", 0.0)),
             final_softcap=float(_field(r, f"{arch}.final_logit_softcapping", 0.0)),
             embedding_scale=float(_field(r, f"{arch}.embedding_scale", 1.0)),
             attention_scale=float(_field(r, f"{arch}.attention.scale", 0.0)),
             residual_scale=float(_field(r, f"{arch}.residual_scale", 1.0)),
             logit_scale=float(_field(r, f"{arch}.logit_scale", 1.0)),
+            yarn=yarn,
         )
 
     def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
@@ -172,9 +178,19 @@ class GGUFModel:
         return np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
     def rope_freq_factors(self, context_len: int) -> np.ndarray | None:
-        """Per-frequency divisors of RoPE's angles, if the file has them: Llama 3's rope_freqs.weight, or
-        LongRoPE's (Phi-3 128k, Phi-3.5, Phi-4-mini) short factors, or its long ones when `context_len` (the
-        engine's max_model_len) exceeds the file's original context; llama.cpp chooses them the same way."""
+        """Per-frequency divisors of RoPE's angles [rope_dim / 2], if the file has any: the tensor's (below)
+        times YaRN's when the file scales by YaRN."""
+        cfg = self.config
+        tensor = self._rope_factor_tensor(context_len)
+        if cfg.yarn is None:
+            return tensor
+        yarn = cfg.yarn.divisors(cfg.rope_dim, cfg.rope_theta)
+        return yarn if tensor is None else tensor[: len(yarn)] * yarn
+
+    def _rope_factor_tensor(self, context_len: int) -> np.ndarray | None:
+        """Llama 3's rope_freqs.weight, or LongRoPE's (Phi-3 128k, Phi-3.5, Phi-4-mini) short factors, or its
+        long ones when `context_len` (the engine's max_model_len) exceeds the file's original context;
+        llama.cpp chooses them the same way."""
         if "rope_freqs.weight" in self.tensors:
             return self.dense("rope_freqs.weight").reshape(-1)
         if "rope_factors_long.weight" not in self.tensors:
