@@ -49,7 +49,7 @@ def products_gmacs(runner, num_tokens: int, repeats: int = 3) -> float:
     """Rate of one pass of the model's weight products over `num_tokens` rows (best of `repeats`), GMAC/s."""
     from engine.kernels.linear import linear
 
-    weights = [w for layer in runner.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [runner.lm_head]
+    weights = [w for layer in runner.layers for w, _ in runner.layer_products(layer)] + [runner.lm_head]
     rng = np.random.default_rng(0)
     xs = {k: rng.standard_normal((num_tokens, k)).astype(np.float32) for k in {w.k for w in weights}}
     outs = [np.empty((num_tokens, w.n), np.float32) for w in weights]

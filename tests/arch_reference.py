@@ -37,6 +37,10 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           mix = 1 - clamp((i - low) / max(0.001, high - low), 0, 1), low / high the floor / ceil of the pair that
           turns beta_fast / beta_slow (32 / 1) times over `rope.scaling.original_context_length`:
           n_dims * ln(n_ctx_orig / (2 pi beta)) / (2 ln base); cos and sin times 1 + 0.1 ln(factor).
+- qwen3moe: qwen3's attention; the FFN a mixture of experts (llama.cpp's build_moe_ffn with softmax gating and
+          norm_w, hard-coded for this architecture): probs = softmax(x @ ffn_gate_inp^T) over `{arch}.expert_count`
+          experts, the top `{arch}.expert_used_count` by probability, their probabilities divided by their sum, and
+          the output sum_e w_e * down_e(silu(gate_e x) * up_e x) with expert e's rows of ffn_{gate,up,down}_exps.
 - granite: llama with four multipliers from the metadata: embeddings times `{arch}.embedding_scale`, attention
           scores times `{arch}.attention.scale` (instead of 1/sqrt(head_dim)), each sublayer's output times
           `{arch}.residual_scale` before the residual add, the logits divided by `{arch}.logit_scale`.
@@ -68,6 +72,7 @@ ARCHS: dict[str, ArchSpec] = {
     "llama": ArchSpec(rope="adjacent", activation="silu"),
     "qwen2": ArchSpec(rope="neox", activation="silu"),
     "qwen3": ArchSpec(rope="neox", activation="silu"),
+    "qwen3moe": ArchSpec(rope="neox", activation="silu"),
     "gemma2": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=2, swa_rope_base=None),
     "gemma3": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=6),
     "phi3": ArchSpec(rope="neox", activation="silu"),
@@ -100,6 +105,7 @@ class RefModel:
     residual_scale: float = 1.0
     logit_scale: float = 1.0
     yarn: tuple[float, int, float, float] | None = None  # (factor, n_ctx_orig, beta_fast, beta_slow), or None
+    n_expert_used: int = 0         # a mixture of experts: each token's top k
 
     @property
     def spec(self) -> ArchSpec:
@@ -171,6 +177,7 @@ def load_gguf(path: str | Path) -> RefModel:
         residual_scale=float(_field(reader, f"{arch}.residual_scale", 1.0)),
         logit_scale=float(_field(reader, f"{arch}.logit_scale", 1.0)),
         yarn=yarn_params(reader, arch),
+        n_expert_used=int(_field(reader, f"{arch}.expert_used_count", 0)),
         tensors=tensors,
     )
 
@@ -281,9 +288,27 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, allowed
     return out.reshape(out.shape[0], -1)
 
 
+def moe_ffn(m: RefModel, il: int, x: np.ndarray) -> np.ndarray:
+    """Each token's top n_expert_used experts by softmax probability, weighted by those renormalized."""
+    b = f"blk.{il}."
+    logits = linear(x, m.t(b + "ffn_gate_inp.weight"))  # (T, n_expert)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    gate, up, down = (m.t(b + f"ffn_{kind}_exps.weight") for kind in ("gate", "up", "down"))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = np.argsort(-probs[t], kind="stable")[: m.n_expert_used]
+        weights = probs[t, chosen] / probs[t, chosen].sum()
+        for e, w in zip(chosen, weights):
+            out[t] += w * linear(silu(linear(x[t], gate[e])) * linear(x[t], up[e]), down[e])
+    return out
+
+
 def gated_ffn(m: RefModel, il: int, x: np.ndarray) -> np.ndarray:
     act = silu if m.spec.activation == "silu" else gelu_tanh
     b = f"blk.{il}."
+    if m.t(b + "ffn_gate_inp.weight") is not None:
+        return moe_ffn(m, il, x)
     gate, up = m.t(b + "ffn_gate.weight"), m.t(b + "ffn_up.weight")
     if gate is None:  # phi3: one tensor, the gate's rows first
         gate, up = np.split(up, 2, axis=0)

@@ -1,9 +1,10 @@
-"""Each supported architecture (llama, qwen2, qwen3, gemma2, gemma3, phi3, smollm3, granite) runs in the engine's CPU runner and computes
+"""Each supported architecture (llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, smollm3, granite; mixtral: a
+llama file with experts) runs in the engine's CPU runner and computes
 what transformers computes: tiny random GGUFs written the way llama.cpp's converter writes each
 architecture (tests/fixtures/arch, made by tests/fixtures/make_arch_fixtures.py with transformers'
 float32 logits of the same weights). Exact numerics match within 1e-3 with the same top-1 everywhere;
-int8 numerics agree on top-1 at most positions. On Gemma 3's fixture (an 8-key sliding window on
-five of six layers, 40-token sequences), a request's logits are the same bits however it is batched.
+int8 numerics agree on top-1 at most positions. On the Gemma fixtures (sliding windows) and the
+mixture-of-experts one (each token routed alone), a request's logits are the same bits however it is batched.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.model.gguf_loader import GGUFModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
 CACHE = CacheConfig(block_size=16, num_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128)
 
 
@@ -80,11 +81,12 @@ def test_int8_numerics_agree_on_top1(arch):
     assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe"])
 @pytest.mark.parametrize("numerics", ["int8", "exact"])
-def test_sliding_window_model_is_batch_invariant(numerics, arch):
-    """Gemma 2 and 3 fixtures (Gemma 2's scores soft-capped too): one token per step == the whole prompt at
-    once == ragged chunks beside another request, bit for bit, over 40 tokens (5x the window)."""
+def test_model_is_batch_invariant(numerics, arch):
+    """Gemma 2 and 3 fixtures (sliding windows, 5x shorter than the 40 tokens; Gemma 2's scores soft-capped) and
+    Qwen3-MoE's (each expert runs on the tokens that picked it, so its products see different row counts):
+    one token per step == the whole prompt at once == ragged chunks beside another request, bit for bit."""
     runner = make_runner(arch, numerics)
     tokens = np.load(FIXTURES / f"{arch}_logits.npz")["tokens_long"].astype(np.int32)
     other = np.random.default_rng(5).integers(0, 300, size=40).astype(np.int32)

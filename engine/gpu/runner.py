@@ -186,6 +186,8 @@ def _check_config(cfg: ModelConfig, dtype: str, utilization, partition_size: int
     if cfg.arch.name != "llama":
         raise ValueError(f"model architecture {cfg.arch.name!r}: the GPU backend runs llama models for now; "
                          "serve it with --device cpu")
+    if cfg.num_experts:
+        raise ValueError(f"{cfg.num_experts} experts: the GPU backend runs dense models for now; serve it with --device cpu")
     if dtype not in STORAGE_DTYPES:
         raise ValueError(f"dtype: expected one of {STORAGE_DTYPES}, got {dtype!r}")
     if utilization is not None and not 0.0 < utilization <= 1.0:

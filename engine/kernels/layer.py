@@ -121,13 +121,14 @@ def layer_args(bufs, w):
     return LayerArgs(bufs, w)
 
 
-def _layer(num, first, args, meta):
-    """Layer forward over the first `num` rows; args: its LayerArgs, meta: the step's token metadata
-    (see CpuRunner.forward). Small ops run serially below PARALLEL_MIN_ROWS rows (waking the threads
-    costs more than the work)."""
-    x, delta, h, qkv, attn, gate_up, act, rows_h, rows_q, rows_i = args.bufs
-    attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, k_cache, v_cache, parts = args.w
-    qkv_bias, q_norm, k_norm, post_attn_norm, post_ffw_norm, cos, sin, window = parts
+def _attention_block(num, first, args, meta):
+    """A layer up to its FFN over the first `num` rows; args: its LayerArgs, meta: the step's token metadata
+    (see CpuRunner.forward). Leaves the residual stream in x and the FFN's normed input in h. Small ops run
+    serially below PARALLEL_MIN_ROWS rows (waking the threads costs more than the work)."""
+    x, delta, h, qkv, attn, rows_h, rows_q = args.bufs[0], args.bufs[1], args.bufs[2], args.bufs[3], args.bufs[4], \
+        args.bufs[7], args.bufs[8]
+    attn_norm, w_qkv, w_o, ffn_norm, k_cache, v_cache = args.w[0], args.w[1], args.w[2], args.w[3], args.w[6], args.w[7]
+    qkv_bias, q_norm, k_norm, post_attn_norm, post_ffw_norm, cos, sin, window = args.w[8]
     positions, slots, cu_q, tables, eps, scale, num_heads, num_kv, head_dim, rope_dim, threads = meta
     par = num >= PARALLEL_MIN_ROWS
     xs, ds, hs, q, pos, out = x[:num], delta[:num], h[:num], qkv[:num], positions[:num], attn[:num]
@@ -162,13 +163,21 @@ def _layer(num, first, args, meta):
         _add_rms_p(xs, ds, ffn_norm, eps, hs)  # noqa: F821
     else:
         _add_rms_s(xs, ds, ffn_norm, eps, hs)  # noqa: F821
-    _gu(hs, w_gu, gate_up[:num], rows_h)  # noqa: F821
+
+
+def _layer(num, first, args, meta):
+    """Layer forward over the first `num` rows: the attention block, then the gated FFN into delta."""
+    _attn_block(num, first, args, meta)  # noqa: F821
+    delta, h, gate_up, act, rows_h, rows_i = args.bufs[1], args.bufs[2], args.bufs[5], args.bufs[6], args.bufs[7], \
+        args.bufs[9]
+    par, ds = num >= PARALLEL_MIN_ROWS, delta[:num]
+    _gu(h[:num], args.w[4], gate_up[:num], rows_h)  # noqa: F821
     if par:
         _act_p(gate_up[:num], act[:num])  # noqa: F821
     else:
         _act_s(gate_up[:num], act[:num])  # noqa: F821
-    _down(act[:num], w_down, ds, rows_i)  # noqa: F821
-    _post_norm(ds, post_ffw_norm, eps, par)  # noqa: F821
+    _down(act[:num], args.w[5], ds, rows_i)  # noqa: F821
+    _post_norm(ds, args.w[8][4], meta[4], par)  # noqa: F821
 
 
 _ROPES = {"adjacent": ops._ROPE, "neox": arch_ops._ROPE_NEOX}
@@ -193,21 +202,38 @@ def _arch_parts(key: tuple) -> dict:
 _KV_WRITERS = {"float32": attention._WRITE_KV, "float16": attention._WRITE_KV_F16, "int8": attention._WRITE_KV_Q8}
 
 
+def _tag(products: tuple, kv_dtype: str, vector_attention: bool, arch: tuple) -> str:
+    return ("__".join("_".join(k) for k in products) + "_" + kv_dtype + ("_vec" if vector_attention else "")
+            + "__" + "_".join(str(v) for v in arch))
+
+
 @functools.cache
-def layer(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arch: tuple):
-    """The compiled layer for four product keys (qkv, o, gate_up, down), the cache's element type
-    (float32, float16, or int8 with (values, scales) pairs as the layer's caches) and an `arch_key`."""
+def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arch: tuple):
+    """The compiled `_attention_block` for the (qkv, o) product keys, the cache's element type (float32,
+    float16, or int8 with (values, scales) pairs as the layer's caches) and an `arch_key`."""
     write = _KV_WRITERS[kv_dtype]
     attend = attention._ATTENTION_VEC if vector_attention else attention._ATTENTION
-    bind = {name: product(key, path) for name, key in zip(("_qkv", "_o", "_gu", "_down"), products)}
+    bind = {name: product(key, path) for name, key in zip(("_qkv", "_o"), products)}
     bind.update(_write_s=write[0], _write_p=write[1], _attend_s=attend[0], _attend_p=attend[1],
                 _attend_split=attention_split.decode_attention,
                 _splits=attention_split.splits if vector_attention else attention_split.never,
                 _rms_s=ops._RMS_NORM[0], _rms_p=ops._RMS_NORM[1], _add_rms_s=ops._ADD_RMS_NORM[0],
                 _add_rms_p=ops._ADD_RMS_NORM[1], **_arch_parts(arch))
-    tag = ("__".join("_".join(k) for k in products) + "_" + kv_dtype + ("_vec" if vector_attention else "")
-           + "__" + "_".join(str(v) for v in arch))
-    return specialize(_layer, path, bind, tag=tag, parallel=False)
+    tag = "attn_" + _tag(products, kv_dtype, vector_attention, arch)
+    return specialize(_attention_block, path, bind, tag=tag, parallel=False)
+
+
+@functools.cache
+def layer(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arch: tuple):
+    """The compiled layer for four product keys (qkv, o, gate_up, down), or five for a mixture-of-experts
+    layer (qkv, o, an expert's gate_up, an expert's down, the router: engine/kernels/moe.py), with the
+    attention block of `attention_block`."""
+    from engine.kernels import moe
+
+    bind = {name: product(key, path) for name, key in zip(("_gu", "_down", "_router"), products[2:])}
+    bind.update(_attn_block=attention_block(products[:2], kv_dtype, vector_attention, path, arch), **_arch_parts(arch))
+    body = moe._layer_moe if len(products) == 5 else _layer
+    return specialize(body, path, bind, tag=_tag(products, kv_dtype, vector_attention, arch), parallel=False)
 
 
 def product_key(w) -> tuple:

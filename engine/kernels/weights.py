@@ -28,6 +28,12 @@ def matrix_shape(t) -> tuple[str, int, int]:
     return name, shape[0], shape[1]
 
 
+def expert_matrix(t, expert: int) -> RawTensor:
+    """Expert `expert`'s [k, n] matrix of a 3-D GGUF tensor (ggml shape [k, n, experts]), a view of its rows."""
+    k, n = int(t.shape[0]), int(t.shape[1])
+    return RawTensor(f"{t.name}[{expert}]", t.tensor_type, (k, n), np.asarray(t.data)[expert])
+
+
 def concat_gguf_rows(tensors) -> RawTensor:
     """Stack several [N_i, K] weights into one [sum N_i, K] weight (q|k|v, gate|up).
 

@@ -64,6 +64,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("granite", residual_scale=True),  # IBM Granite 3.x (dense): Llama with four multipliers
         Architecture("qwen2", rope="neox", qkv_bias=True),
         Architecture("qwen3", rope="neox", qk_norm=True),
+        Architecture("qwen3moe", rope="neox", qk_norm=True),  # Qwen3's attention, experts in the FFN (ModelConfig)
         # Phi-3 / 3.5 / 4-mini: q, k, v and gate, up stored fused (gguf_loader.stacked_names). Its files carry a
         # sliding_window (2047 in Phi-3-mini); llama.cpp ignores it (ggml-org/llama.cpp#13676), and so do we.
         Architecture("phi3", rope="neox"),

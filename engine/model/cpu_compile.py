@@ -76,11 +76,10 @@ def product_signatures(runner) -> dict:
     """{product key: {argument types}} of the layers' weight products (engine/kernels/layer.py `product`)."""
     from engine.kernels import layer
 
-    rows = runner.layer_rows()  # the products' input buffers, by input width
     x = numba.typeof(runner.h)  # a product's input and output: row slices of float32 [rows, width] buffers
     sigs = {}
-    for _, w_qkv, w_o, _, w_gu, w_down, _ in runner.layers:
-        for w, r in ((w_qkv, rows[0]), (w_o, rows[1]), (w_gu, rows[0]), (w_down, rows[2])):
+    for layer_weights in runner.layers:
+        for w, r in runner.layer_products(layer_weights):  # r: the product's input buffers
             sigs.setdefault(layer.product_key(w), set()).add((x, numba.typeof(layer.product_args(w)), x, numba.typeof(r)))
     return sigs
 

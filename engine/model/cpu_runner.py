@@ -18,12 +18,13 @@ from threadpoolctl import threadpool_limits
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
 from engine.jit_cache import launch_threads
 from engine.kernels import layer as layer_kernels
-from engine.kernels import ops
+from engine.kernels import moe, ops
 from engine.kernels.attention import vector_shapes
 from engine.kernels.int_linear import QuantRows, host_path
-from engine.kernels.linear import linear, pack_gguf_rows, pack_gguf_tensor
+from engine.kernels.linear import PackedWeight, linear, pack_gguf_tensor
+from engine.kernels.moe import MoeWeights
 from engine.kernels.weights import EmbeddingTable
-from engine.model import cpu_compile
+from engine.model import cpu_compile, cpu_weights
 from engine.model.gguf_loader import GGUFModel, ModelConfig
 
 
@@ -128,7 +129,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             self.layers = weights_from.layers[: cfg.num_layers]
         else:
             self._load_weights(model)
-        self.weight_bytes = sum(w.nbytes for layer in self.layers for w in layer[1:3] + layer[4:6]) + self.lm_head.nbytes
+        self.weight_bytes = sum(cpu_weights.streamed_bytes(layer, cfg.num_experts_used) for layer in self.layers) \
+            + self.lm_head.nbytes  # what one token's forward reads
         max_pos = max(cache.max_model_len, 1)
         self.rope_cos, self.rope_sin = ops.rope_tables(
             max_pos, cfg.rope_dim, cfg.rope_theta, cfg.rope_scale, model.rope_freq_factors(cache.max_model_len),
@@ -166,44 +168,22 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         return int(2 * cfg.num_layers * block_size * cfg.kv_size * width)
 
     def _load_weights(self, model: GGUFModel) -> None:
-        cfg, numerics = self.config, self.numerics
         self.embed = model.tensor("token_embd.weight")
         self.embed_table = EmbeddingTable(self.embed)
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"blk.{i}."
-            self.layers.append(
-                (
-                    model.dense(p + "attn_norm.weight"),
-                    pack_gguf_rows([model.tensor(n) for n in model.stacked_names(i, "qkv")], numerics),
-                    pack_gguf_tensor(model.tensor(p + "attn_output.weight"), numerics),
-                    model.dense(p + "ffn_norm.weight"),
-                    pack_gguf_rows([model.tensor(n) for n in model.stacked_names(i, "gate_up")], numerics),
-                    pack_gguf_tensor(model.tensor(p + "ffn_down.weight"), numerics),
-                    self._layer_parts(model, p),
-                )
-            )
+        self.layers = cpu_weights.load_layers(model, self.config, self.numerics)
         self.final_norm = model.dense("output_norm.weight")
-        head = self.embed if cfg.tied_embeddings else model.tensor("output.weight")
-        self.lm_head = pack_gguf_tensor(head, numerics)
+        head = self.embed if self.config.tied_embeddings else model.tensor("output.weight")
+        self.lm_head = pack_gguf_tensor(head, self.numerics)
 
-    def _layer_parts(self, model: GGUFModel, p: str) -> tuple:
-        """The architecture's optional per-layer vectors, empty where it has none:
-        (qkv bias [q + 2 kv], q norm [head_dim], k norm [head_dim], post-attention, post-FFN), the last two
-        what the layer's `_post_norm` applies to a sublayer's output: RMSNorm weights [hidden] (Gemma) or
-        the residual multiplier [1] (Granite, arch_ops.scale_output)."""
-        arch, none = self.config.arch, np.zeros(0, np.float32)
-        bias = none
-        if arch.qkv_bias:
-            bias = np.concatenate([model.dense(p + f"attn_{n}.bias").reshape(-1) for n in "qkv"])
-        q_norm, k_norm = (model.dense(p + "attn_q_norm.weight"), model.dense(p + "attn_k_norm.weight")) \
-            if arch.qk_norm else (none, none)
-        post = (none, none)
-        if arch.post_norms:
-            post = (model.dense(p + "post_attention_norm.weight"), model.dense(p + "post_ffw_norm.weight"))
-        elif arch.residual_scale:  # arch_ops.scale_output's multiplier, in the post-norm's place
-            post = (np.array([self.config.residual_scale], np.float32),) * 2
-        return (bias, q_norm.reshape(-1), k_norm.reshape(-1), *post)
+    def layer_products(self, layer: tuple) -> list:
+        """(weight, input buffers) of each distinct product of a layer (a MoE layer: its first expert's and the
+        router's), as the layer passes them."""
+        rows_h, rows_q, rows_i = self.layer_rows()
+        w_qkv, w_o, w_gu, w_down = layer[1], layer[2], layer[4], layer[5]
+        if isinstance(w_gu, MoeWeights):
+            return [(w_qkv, rows_h), (w_o, rows_q), (w_gu.gate_up[0], rows_h), (w_gu.down[0], rows_i),
+                    (w_gu.router, self._router_rows)]
+        return [(w_qkv, rows_h), (w_o, rows_q), (w_gu, rows_h), (w_down, rows_i)]
 
     def _alloc_activations(self) -> None:
         cfg, n = self.config, self.cache.max_num_batched_tokens
@@ -212,18 +192,22 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.delta = np.zeros((n, cfg.hidden_size), np.float32)  # sublayer output
         self.qkv = np.zeros((n, cfg.q_size + 2 * cfg.kv_size), np.float32)
         self.attn = np.zeros((n, cfg.q_size), np.float32)
-        self.gate_up = np.zeros((n, 2 * cfg.intermediate_size), np.float32)
-        self.act = np.zeros((n, cfg.intermediate_size), np.float32)
+        self.ffn_size = cfg.expert_intermediate_size if cfg.num_experts else cfg.intermediate_size
+        self.gate_up = np.zeros((n, 2 * self.ffn_size), np.float32)
+        self.act = np.zeros((n, self.ffn_size), np.float32)
+        if cfg.num_experts:
+            self.moe_scratch = moe.scratch(n, cfg.hidden_size, cfg.num_experts, cfg.num_experts_used)
         self.logits = np.zeros((n, cfg.vocab_size), np.float32)
         self.hidden = np.zeros((n, cfg.hidden_size), np.float32)  # final-normed rows, when captured
         self.req_of_token = np.zeros(n, np.int32)
         self.positions = np.zeros(n, np.int32)
         self.slot_mapping = np.zeros(n, np.int32)
 
-    def _rows(self, k: int):
-        """A product's input buffers: QuantRows (int8) or the float kernels' decode scratch (exact)."""
+    def _rows(self, k: int, weight=None):
+        """A product's input buffers: QuantRows (int8) or the float kernels' decode scratch (exact, or a
+        `weight` the integer kernels do not run, such as a float32 MoE router)."""
         n = self.cache.max_num_batched_tokens
-        if self.numerics == "int8":
+        if self.numerics == "int8" and not isinstance(weight, PackedWeight):
             r = QuantRows(k, n)
             return r.xq, r.xd, r.xm, r.xs
         return np.empty((numba.config.NUMBA_NUM_THREADS, k, 16), np.float32)
@@ -236,23 +220,36 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         """One compiled function per layer (engine/kernels/layer.py) and the arguments it keeps."""
         cfg, path = self.config, host_path()
         self._bufs = (self.x, self.delta, self.h, self.qkv, self.attn, self.gate_up, self.act,
-                      self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(cfg.intermediate_size))
+                      self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(self.ffn_size))
+        if cfg.num_experts:  # the router's input buffers (its weights' kind: the same in every layer of a file)
+            self._router_rows = self._rows(cfg.hidden_size, self.layers[0][4].router)
         vector = self.vector_attention = vector_shapes(cfg.head_dim, self.cache.block_size)
         arch = layer_kernels.arch_key(cfg.arch)
         self._layer_calls = []
         unrotated = ()
-        for i, (attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, parts) in enumerate(self.layers):
-            keys = tuple(layer_kernels.product_key(w) for w in (w_qkv, w_o, w_gu, w_down))
+        for i, layer in enumerate(self.layers):
+            attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, parts = layer
+            keys = tuple(layer_kernels.product_key(w) for w, _ in self.layer_products(layer))
             window = cfg.window(i)
             cos, sin = self.rope_local if window else (self.rope_cos, self.rope_sin)
             if not cfg.arch.rotates(i):  # NoPE: cos 1, sin 0 rotate by nothing, exactly (one pair of tables)
                 unrotated = cos, sin = unrotated or (np.ones_like(cos), np.zeros_like(sin))
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
-                    *(layer_kernels.product_args(w) for w in (w_gu, w_down)), *self.layer_kv(i),
-                    (*parts, cos, sin, window))
+                    *self._ffn_args(w_gu, w_down), *self.layer_kv(i), (*parts, cos, sin, window))
+            if isinstance(w_gu, MoeWeights):
+                args += ((layer_kernels.product_args(w_gu.router), self._router_rows, cfg.num_experts_used,
+                          cfg.expert_weights_norm, self.moe_scratch),)
             run_layer = layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch)
             self._layer_calls.append((run_layer, layer_kernels.layer_args(self._bufs, args)))
         self._layer_entries = {}  # _array_kinds of a forward's batch arrays -> each layer's compiled entry
+
+    @staticmethod
+    def _ffn_args(w_gu, w_down) -> tuple:
+        """The layer's w[4], w[5]: the two FFN products' arguments, or every expert's (engine/kernels/moe.py)."""
+        if isinstance(w_gu, MoeWeights):
+            return (tuple(layer_kernels.product_args(w) for w in w_gu.gate_up),
+                    tuple(layer_kernels.product_args(w) for w in w_gu.down))
+        return layer_kernels.product_args(w_gu), layer_kernels.product_args(w_down)
 
     def _entries_for(self, meta: tuple) -> list:
         """Each layer's compiled entry for this forward's meta: the overload its dispatcher would pick.

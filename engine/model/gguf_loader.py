@@ -52,6 +52,10 @@ class ModelConfig:
     residual_scale: float = 1.0  # each sublayer's output times this before the residual add (Granite)
     logit_scale: float = 1.0  # output logits divided by this (Granite)
     yarn: Yarn | None = None  # YaRN scaling: its divisors come with rope_freq_factors, its magnitude is in the above
+    num_experts: int = 0  # mixture of experts (Qwen3-MoE, Mixtral): experts per layer; 0: dense FFNs
+    num_experts_used: int = 0  # experts each token runs (the router's top k)
+    expert_intermediate_size: int = 0  # an expert's FFN width
+    expert_weights_norm: bool = True  # the top k's softmax weights renormalized to sum to 1
 
     def window(self, layer: int) -> int:
         """Keys that `layer` attends to, itself included (0: all of them)."""
@@ -135,7 +139,27 @@ class GGUFModel:
             residual_scale=float(_field(r, f"{arch}.residual_scale", 1.0)),
             logit_scale=float(_field(r, f"{arch}.logit_scale", 1.0)),
             yarn=yarn,
+            **self._read_experts(arch),
         )
+
+    def _read_experts(self, arch: str) -> dict:
+        """ModelConfig's mixture-of-experts fields: softmax gating over `expert_count` experts, each token
+        running its top `expert_used_count`, their weights renormalized (llama.cpp's choice for Mixtral and
+        Qwen3-MoE, overridden by `expert_weights_norm` where a file has it)."""
+        r = self.metadata
+        num = int(_field(r, f"{arch}.expert_count", 0))
+        if not num:
+            return {}
+        used = int(_field(r, f"{arch}.expert_used_count", 0))
+        if not 1 <= used <= num:
+            raise ValueError(f"{self.path.name}: {arch}.expert_used_count must be in 1..{num}, got {used}")
+        gating = int(_field(r, f"{arch}.expert_gating_func", 1))
+        if gating != 1:
+            raise ValueError(f"{self.path.name}: {arch}.expert_gating_func {gating}: only softmax gating (1) is supported")
+        return dict(num_experts=num, num_experts_used=used,
+                    expert_intermediate_size=int(_field(r, f"{arch}.expert_feed_forward_length",
+                                                        _field(r, f"{arch}.feed_forward_length"))),
+                    expert_weights_norm=bool(_field(r, f"{arch}.expert_weights_norm", True)))
 
     def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
         """The sliding-window layers: the file's `sliding_window_pattern` (a period, or one flag per
@@ -170,6 +194,23 @@ class GGUFModel:
             raise ValueError(f"{self.path.name}: {p}ffn_gate.weight is missing and {p}ffn_up.weight has {rows} rows, "
                              f"not the 2 x {self.config.intermediate_size} of a fused gate and up")
         return [p + "ffn_up.weight"]
+
+    def experts(self, layer: int) -> tuple | None:
+        """A mixture-of-experts layer's (router [experts, hidden], [gate, up] per expert, down per expert) as 2-D
+        tensors (the file stacks each kind's experts in one 3-D tensor); None for a dense layer."""
+        from engine.kernels.weights import expert_matrix  # numba: not for the gateway's imports of this module
+
+        p = f"blk.{layer}."
+        if p + "ffn_gate_inp.weight" not in self.tensors:
+            return None
+        cfg = self.config
+        stacks = [self.tensor(p + f"ffn_{kind}_exps.weight") for kind in ("gate", "up", "down")]
+        for t in stacks:
+            if len(t.shape) != 3 or int(t.shape[2]) != cfg.num_experts:
+                raise ValueError(f"{self.path.name}: {t.name} has shape {[int(d) for d in t.shape]}, "
+                                 f"not [.., .., {cfg.num_experts}]")
+        gate, up, down = ([expert_matrix(t, e) for e in range(cfg.num_experts)] for t in stacks)
+        return self.tensor(p + "ffn_gate_inp.weight"), list(zip(gate, up)), down
 
     def dense(self, name: str) -> np.ndarray:
         """A tensor dequantized to float32 in logical (row-major, ggml-reversed) shape."""
