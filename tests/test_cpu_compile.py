@@ -19,29 +19,38 @@ from numba.core import types
 from engine.model import cpu_compile
 
 
-@pytest.fixture(scope="module")
-def layer_calls(engine):
-    """What the real model's first decoder layer passes to each kernel it calls, as Numba types it:
-    {dispatcher: [argument types, ...]}. Type inference only (the layer itself may load from the cache,
-    and then never types its callees in this process)."""
+def _typed_calls(dispatcher, argtypes: tuple, calls: dict) -> None:
+    """Add what `dispatcher` called with `argtypes` passes to each kernel it calls to calls {dispatcher:
+    [argument types, ...]}, and what its attention block (engine/kernels/layer.py) passes to its own."""
     from numba.core import compiler, ir, typed_passes
 
+    interp = compiler.run_frontend(dispatcher.py_func)
+    typed = typed_passes.type_inference_stage(dispatcher.typingctx, dispatcher.targetctx, interp, argtypes, None)
+    for block in interp.blocks.values():
+        for stmt in block.body:
+            if isinstance(stmt, ir.Assign) and isinstance(stmt.value, ir.Expr) and stmt.value.op == "call":
+                fnty = typed.typemap[stmt.value.func.name]
+                if isinstance(fnty, types.Dispatcher):
+                    sig = tuple(typed.calltypes[stmt.value].args)
+                    calls.setdefault(fnty.dispatcher, []).append(sig)
+                    if fnty.dispatcher.py_func.__name__.startswith("_attention_block"):
+                        _typed_calls(fnty.dispatcher, sig, calls)
+
+
+@pytest.fixture(scope="module")
+def layer_calls(engine):
+    """What the real model's first decoder layer passes to each kernel it calls (its attention block's
+    callees included), as Numba types it: {dispatcher: [argument types, ...]}. Type inference only (the
+    layer itself may load from the cache, and then never types its callees in this process)."""
     from engine.model.cpu_runner import ForwardBatch
 
     runner = engine.runner
     batch = ForwardBatch(runner.cache)
     batch.add(np.array([1, 2], np.int32), 0, [0], 1)
     run_layer, args = runner._layer_calls[0]
-    argtypes = (types.int64, types.boolean, numba.typeof(args), numba.typeof(runner.token_meta(batch)))
-    interp = compiler.run_frontend(run_layer.py_func)
-    typed = typed_passes.type_inference_stage(run_layer.typingctx, run_layer.targetctx, interp, argtypes, None)
     calls = {}
-    for block in interp.blocks.values():
-        for stmt in block.body:
-            if isinstance(stmt, ir.Assign) and isinstance(stmt.value, ir.Expr) and stmt.value.op == "call":
-                fnty = typed.typemap[stmt.value.func.name]
-                if isinstance(fnty, types.Dispatcher):
-                    calls.setdefault(fnty.dispatcher, []).append(tuple(typed.calltypes[stmt.value].args))
+    _typed_calls(run_layer, (types.int64, types.boolean, numba.typeof(args), numba.typeof(runner.token_meta(batch))),
+                 calls)
     return runner, batch, calls
 
 
