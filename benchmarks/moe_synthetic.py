@@ -51,7 +51,7 @@ def write_f16(path: pathlib.Path, tokenizer_from: pathlib.Path, layers: int, see
                             ("attn_output", (h, nh * hd)), ("ffn_gate_exps", (e, ff, h)), ("ffn_up_exps", (e, ff, h)),
                             ("ffn_down_exps", (e, h, ff))):
             writer.add_tensor(p + name + ".weight", mat(*shape))
-        writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((e, h), np.float32) / np.sqrt(h)))
+        writer.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((e, h), np.float32) / np.sqrt(h)).astype(np.float32))
         for name, size in (("attn_norm", h), ("ffn_norm", h), ("attn_q_norm", hd), ("attn_k_norm", hd)):
             writer.add_tensor(p + name + ".weight", np.ones(size, np.float32))
     writer.write_header_to_file()

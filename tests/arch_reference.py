@@ -37,6 +37,7 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           mix = 1 - clamp((i - low) / max(0.001, high - low), 0, 1), low / high the floor / ceil of the pair that
           turns beta_fast / beta_slow (32 / 1) times over `rope.scaling.original_context_length`:
           n_dims * ln(n_ctx_orig / (2 pi beta)) / (2 ln base); cos and sin times 1 + 0.1 ln(factor).
+- granitemoe: granite (below) whose FFN is a mixture of experts, as qwen3moe's.
 - qwen3moe: qwen3's attention; the FFN a mixture of experts (llama.cpp's build_moe_ffn with softmax gating and
           norm_w, hard-coded for this architecture): probs = softmax(x @ ffn_gate_inp^T) over `{arch}.expert_count`
           experts, the top `{arch}.expert_used_count` by probability, their probabilities divided by their sum, and
@@ -78,6 +79,7 @@ ARCHS: dict[str, ArchSpec] = {
     "phi3": ArchSpec(rope="neox", activation="silu"),
     "smollm3": ArchSpec(rope="adjacent", activation="silu", no_rope_period=4),
     "granite": ArchSpec(rope="adjacent", activation="silu"),
+    "granitemoe": ArchSpec(rope="adjacent", activation="silu"),
 }
 
 

@@ -1,5 +1,5 @@
-"""Each supported architecture (llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, smollm3, granite; mixtral: a
-llama file with experts) runs in the engine's CPU runner and computes
+"""Each supported architecture (llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, smollm3, granite, granitemoe;
+mixtral: a llama file with experts) runs in the engine's CPU runner and computes
 what transformers computes: tiny random GGUFs written the way llama.cpp's converter writes each
 architecture (tests/fixtures/arch, made by tests/fixtures/make_arch_fixtures.py with transformers'
 float32 logits of the same weights). Exact numerics match within 1e-3 with the same top-1 everywhere;
@@ -19,7 +19,11 @@ from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.model.gguf_loader import GGUFModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "granite"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "granite",
+         "granitemoe"]
+# mixtral and granitemoe run the MoE layer of qwen3moe (whose int8 path is checked) under llama's and granite's
+# conversions (checked by the exact test); their own int8 runs would add ~50 s of compiling to the suite
+INT8_ARCHS = [a for a in ARCHS if a not in ("mixtral", "granitemoe")]
 CACHE = CacheConfig(block_size=16, num_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128)
 
 
@@ -72,7 +76,7 @@ def test_exact_numerics_match_transformers(arch):
         np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", INT8_ARCHS)
 def test_int8_numerics_agree_on_top1(arch):
     runner, golden = make_runner(arch, "int8"), np.load(FIXTURES / f"{arch}_logits.npz")
     tokens, want = golden["tokens_long"].astype(np.int32), golden["logits_long"]

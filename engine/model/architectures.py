@@ -62,6 +62,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("llama"),  # Llama 1-3, Mistral, SmolLM: llama.cpp writes them all as "llama"
         Architecture("smollm3", no_rope_period=4),  # SmolLM3: Llama with every 4th layer unrotated
         Architecture("granite", residual_scale=True),  # IBM Granite 3.x (dense): Llama with four multipliers
+        Architecture("granitemoe", residual_scale=True),  # IBM Granite 3.x MoE: granite, experts in the FFN
         Architecture("qwen2", rope="neox", qkv_bias=True),
         Architecture("qwen3", rope="neox", qk_norm=True),
         Architecture("qwen3moe", rope="neox", qk_norm=True),  # Qwen3's attention, experts in the FFN (ModelConfig)
