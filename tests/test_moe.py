@@ -96,3 +96,37 @@ def test_gpu_backend_refuses_experts():
         _check_config(cfg, "float16", None, 256, False)
     with pytest.raises(ValueError, match="8 experts: the GPU backend runs dense models"):
         _check_config(dataclasses.replace(cfg, arch=ARCHITECTURES["llama"]), "float16", None, 256, False)
+
+
+@pytest.fixture(scope="module")
+def moe_engines():
+    """The qwen3moe fixture served plain and with each method (several requests at once, so that the experts
+    run on tokens of different requests in one step)."""
+    import json
+
+    from conftest import engine_args
+
+    from engine.llm_engine import LLMEngine
+
+    def make(spec=None):
+        return LLMEngine.from_args(engine_args(model=str(FIXTURES / "qwen3moe.gguf"), max_model_len=128,
+                                               speculative_config=json.dumps(spec) if spec else None))
+
+    return make
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+                                  {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3}],
+                         ids=lambda s: s["method"])
+def test_greedy_speculation_on_experts_equals_plain_decoding(moe_engines, spec):
+    """Verifying a step's drafts routes each of its tokens alone, so the outputs are plain decoding's, token for
+    token, with drafts accepted along the way."""
+    from engine.generate import generate
+    from engine.serving.protocol import SamplingParams
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [40, 41, 42, 43, 40, 41], [200, 3, 200, 3, 200]]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = generate(moe_engines(), prompts, params)
+    spec_out = generate(moe_engines(spec), prompts, params)
+    assert [c.token_ids for c in spec_out] == [c.token_ids for c in plain]
+    assert sum(c.num_accepted_tokens for c in spec_out) > 0
