@@ -22,7 +22,6 @@ from engine.kernels import moe, ops
 from engine.kernels.attention import vector_shapes
 from engine.kernels.int_linear import QuantRows, host_path
 from engine.kernels.linear import PackedWeight, linear, pack_gguf_tensor
-from engine.kernels.moe import MoeWeights
 from engine.kernels.weights import EmbeddingTable
 from engine.model import cpu_compile, cpu_weights
 from engine.model.gguf_loader import GGUFModel, ModelConfig
@@ -180,7 +179,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         router's), as the layer passes them."""
         rows_h, rows_q, rows_i = self.layer_rows()
         w_qkv, w_o, w_gu, w_down = layer[1], layer[2], layer[4], layer[5]
-        if isinstance(w_gu, MoeWeights):
+        if isinstance(w_gu, moe.MoeWeights):
             return [(w_qkv, rows_h), (w_o, rows_q), (w_gu.gate_up[0], rows_h), (w_gu.down[0], rows_i),
                     (w_gu.router, self._router_input(w_gu))]
         return [(w_qkv, rows_h), (w_o, rows_q), (w_gu, rows_h), (w_down, rows_i)]
@@ -203,11 +202,11 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.positions = np.zeros(n, np.int32)
         self.slot_mapping = np.zeros(n, np.int32)
 
-    def _rows(self, k: int, weight_kind=None):
+    def _rows(self, k: int, on_float: bool = False):
         """A product's input buffers: QuantRows (int8) or the float kernels' decode scratch (exact, or
-        `weight_kind` PackedWeight: a weight the integer kernels do not run, such as a float32 MoE router)."""
+        `on_float`: a weight the integer kernels do not run, such as a float32 MoE router)."""
         n = self.cache.max_num_batched_tokens
-        if self.numerics == "int8" and weight_kind is not PackedWeight:
+        if self.numerics == "int8" and not on_float:
             r = QuantRows(k, n)
             return r.xq, r.xd, r.xm, r.xs
         return np.empty((numba.config.NUMBA_NUM_THREADS, k, 16), np.float32)
@@ -222,9 +221,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self._bufs = (self.x, self.delta, self.h, self.qkv, self.attn, self.gate_up, self.act,
                       self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(self.ffn_size))
         # the MoE routers' input buffers, by whether a router runs on the float kernels (llama.cpp leaves them F32)
-        kinds = {isinstance(layer[4].router, PackedWeight) for layer in self.layers if isinstance(layer[4], MoeWeights)}
-        self._router_rows = {on_float: self._rows(cfg.hidden_size, PackedWeight if on_float else None)
-                             for on_float in kinds}
+        kinds = {isinstance(layer[4].router, PackedWeight) for layer in self.layers if isinstance(layer[4], moe.MoeWeights)}
+        self._router_rows = {on_float: self._rows(cfg.hidden_size, on_float) for on_float in kinds}
         vector = self.vector_attention = vector_shapes(cfg.head_dim, self.cache.block_size)
         arch = layer_kernels.arch_key(cfg.arch)
         self._layer_calls = []
@@ -238,21 +236,21 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                 unrotated = cos, sin = unrotated or (np.ones_like(cos), np.zeros_like(sin))
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
                     *self._ffn_args(w_gu, w_down), *self.layer_kv(i), (*parts, cos, sin, window))
-            if isinstance(w_gu, MoeWeights):  # w[9] (engine/kernels/moe.py)
+            if isinstance(w_gu, moe.MoeWeights):  # w[9] (engine/kernels/moe.py)
                 args += ((layer_kernels.product_args(w_gu.router), self._router_input(w_gu), cfg.num_experts_used,
                           cfg.expert_weights_norm, self.moe_scratch),)
             run_layer = layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch)
             self._layer_calls.append((run_layer, layer_kernels.layer_args(self._bufs, args)))
         self._layer_entries = {}  # _array_kinds of a forward's batch arrays -> each layer's compiled entry
 
-    def _router_input(self, moe_weights: MoeWeights):
+    def _router_input(self, moe_weights: moe.MoeWeights):
         """The input buffers of a MoE layer's router product."""
         return self._router_rows[isinstance(moe_weights.router, PackedWeight)]
 
     @staticmethod
     def _ffn_args(w_gu, w_down) -> tuple:
         """The layer's w[4], w[5]: the two FFN products' arguments, or every expert's (engine/kernels/moe.py)."""
-        if isinstance(w_gu, MoeWeights):
+        if isinstance(w_gu, moe.MoeWeights):
             return (tuple(layer_kernels.product_args(w) for w in w_gu.gate_up),
                     tuple(layer_kernels.product_args(w) for w in w_gu.down))
         return layer_kernels.product_args(w_gu), layer_kernels.product_args(w_down)
