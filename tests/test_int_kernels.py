@@ -24,16 +24,18 @@ CHILDREN = 2  # subprocesses compiling the non-host paths (see other_paths)
 SPECS = {
     "q4_0": (Q.Q4_0, 37, 96), "q4_1": (Q.Q4_1, 40, 64), "q5_0": (Q.Q5_0, 21, 96), "q5_1": (Q.Q5_1, 18, 64),
     "q8_0": (Q.Q8_0, 35, 128), "q4_k": (Q.Q4_K, 19, 512), "q5_k": (Q.Q5_K, 33, 256), "q6_k": (Q.Q6_K, 17, 512),
+    "iq4_nl": (Q.IQ4_NL, 23, 64), "iq4_xs": (Q.IQ4_XS, 20, 512),
 }
-KQUANT_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # fp16 fields of a super-block
+# the fp16 fields of a (super-)block of the types gguf-py cannot quantize
+RANDOM_BLOCK_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
 
 
-def kquant_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
-    """Random but valid K-quant rows (gguf-py cannot quantize these types): random quant and scale
-    bytes, with the fp16 super-block scales set to small finite values."""
+def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
+    """Random but valid rows of a type gguf-py cannot quantize: random quant and scale bytes (so every
+    6-bit scale and every table entry occurs), with the fp16 scales set to small finite values."""
     _, block_bytes, per_block = FORMATS[qtype]
     blocks = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
-    for off in KQUANT_SCALE_OFFSETS[qtype]:
+    for off in RANDOM_BLOCK_SCALES[qtype]:
         scales = (rng.random((n, k // per_block, 1)) * 0.004 + 1e-4).astype(np.float16)
         blocks[:, :, off : off + 2] = scales.view(np.uint8)
     return blocks.reshape(n, -1)
@@ -46,8 +48,8 @@ def weights_file(tmp_path_factory) -> pathlib.Path:
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     for name, (qtype, n, k) in SPECS.items():
-        if qtype in KQUANT_SCALE_OFFSETS:
-            writer.add_tensor(name, kquant_blocks(qtype, n, k, rng), raw_dtype=qtype)
+        if qtype in RANDOM_BLOCK_SCALES:
+            writer.add_tensor(name, random_blocks(qtype, n, k, rng), raw_dtype=qtype)
         else:
             dense = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
             writer.add_tensor(name, gguf.quants.quantize(dense, qtype), raw_dtype=qtype)
@@ -83,7 +85,9 @@ def other_paths(weights_file, tmp_path_factory):
             for part, a in enumerate(int_linear.quantize(x)):
                 inputs[input_key(name, num_tokens, part)] = a.copy()
     np.savez(folder / "inputs.npz", **inputs)
-    pairs = [(name, path) for path in int_linear.runnable_paths() if path != int_linear.host_path() for name in SPECS]
+    kernels = {FORMATS[qtype][0]: name for name, (qtype, _, _) in reversed(SPECS.items())}  # IQ4_NL, IQ4_XS: one
+    pairs = [(name, path) for path in int_linear.runnable_paths() if path != int_linear.host_path()
+             for name in kernels.values()]
     children = []
     for i in range(CHILDREN):
         mine = [f"{name}:{path}" for name, path in pairs[i::CHILDREN]]
@@ -137,8 +141,8 @@ def run(x, w, path=None) -> np.ndarray:
 @pytest.mark.parametrize("name", list(SPECS))
 def test_packs_every_integer_format(tensors, name):
     w = pack_gguf_tensor(tensors[name], "int8")
-    _, n, k = SPECS[name]
-    assert isinstance(w, IntWeight) and (w.fmt, w.n, w.k) == (name, n, k)
+    qtype, n, k = SPECS[name]
+    assert isinstance(w, IntWeight) and (w.fmt, w.n, w.k) == (FORMATS[qtype][0], n, k)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -5,7 +5,9 @@ A strip is 16 output rows (the vector lanes, see simd). Per 32-weight block b of
            (low nibbles: k 0..15 of the block, high nibbles: k 16..31)
   qh       5-bit formats, 64 bytes; byte 4r+e, bit g / 4+g = bit 4 of the low / high weight of group g
   qh2      Q6_K, 2 x 64 bytes; vector h, byte 4r+e, bits 2g..2g+1 = bits 4..5 of q[r, 32b+16h+4g+e]
-  q8       Q8_0, 8 x 64 bytes; vector g, byte 4r+e = q[r, 32b+4g+e] (int8)
+  q8       Q8_0, 8 x 64 bytes; vector g, byte 4r+e = q[r, 32b+4g+e] (int8); IQ4_NL / IQ4_XS the same, q
+           their 16-entry table's value (-127..113), so they stream 8 bits a weight, not 4 (a nibble
+           table lookup in the tiles would halve that; not done)
 Scales are kept in their GGUF widths (fp16, 6-bit ints as uint8, int8), one 16-lane row per strip
 and block (or super-block). Integer quant values come from gguf-py's own dequantizer run on the
 blocks with their scales set to 1 and their minimums to 0, so they are gguf's values by construction.
@@ -14,6 +16,8 @@ What each format means (q: the unsigned quant, per row r and block; D, M exact i
   q4_0 / q5_0   w = d * (q - 8 | 16)          q4_1 / q5_1   w = d * q + m
   q8_0          w = d * q (q signed)           q4_k / q5_k   w = (d * sc) * q - (dmin * mn)
   q6_k          w = (d * sc16) * (q - 32), a scale per 16 weights
+  iq4_nl        w = d * q                      iq4_xs        w = (d * (ls - 32)) * q, ls 6 bits per block
+  (both as "iq4": d and sc int8 per block, iq4_xs's d repeated over its super-block, iq4_nl's sc 1)
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ ONE_F16 = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)  # the two bytes of
 FORMATS = {
     Q.Q4_0: ("q4_0", 18, QK), Q.Q4_1: ("q4_1", 20, QK), Q.Q5_0: ("q5_0", 22, QK), Q.Q5_1: ("q5_1", 24, QK),
     Q.Q8_0: ("q8_0", 34, QK), Q.Q4_K: ("q4_k", 144, QK_K), Q.Q5_K: ("q5_k", 176, QK_K), Q.Q6_K: ("q6_k", 210, QK_K),
+    Q.IQ4_NL: ("iq4", 18, QK), Q.IQ4_XS: ("iq4", 136, QK_K),
 }
 
 
@@ -110,12 +115,39 @@ _ZERO2 = np.zeros(2, np.uint8)
 _K_UNIT = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)  # 6-bit scales 1, minimums 0
 
 
+_XS_UNIT = {0: ONE_F16, 2: np.array([0xAA, 0xAA], np.uint8), 4: np.full(4, 0x11, np.uint8)}  # d 1, every ls 33
+
+
+def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """ls - 32 of each block of 32 [n, k / 32] int8: ls = 4 low bits (scales_l) | 2 high bits (scales_h) << 4."""
+    n, nsb = blocks.shape[:2]
+    high = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.uint16)  # [n, nsb, 1]
+    high = (high >> (2 * np.arange(8, dtype=np.uint16))) & np.uint16(3)  # [n, nsb, 8]
+    low = blocks[:, :, 4:8, None] >> np.array([0, 4], np.uint8)  # [n, nsb, 4, 2]: blocks 2j, 2j + 1
+    ls = (low.reshape(n, nsb, 8) & np.uint8(15)) | (high.astype(np.uint8) << np.uint8(4))
+    return (ls.astype(np.int16) - 32).astype(np.int8).reshape(n, -1)
+
+
+def _pack_iq4(kind, blocks: np.ndarray, n: int) -> tuple:
+    """IQ4_NL / IQ4_XS as "iq4": q8_0's layout of the table values, d and sc per block and row."""
+    xs = kind == Q.IQ4_XS
+    q = _quants(blocks, kind, _XS_UNIT if xs else {0: ONE_F16}, 0).view(np.int8)
+    d = _f16(blocks, 0)  # [n, super-blocks or blocks]
+    if xs:
+        d, sc = np.repeat(d, QK_K // QK, axis=1), _iq4_xs_scales(blocks)
+    else:
+        sc = np.ones_like(d, np.int8)
+    return _groups(q, n).reshape(-1), _lanes(d, n), _lanes(sc, n)
+
+
 _NO_BITS = np.zeros(1, np.uint8)  # stands in for the bit-4 plane of 4-bit formats
 _OFFSETS = {"q4_0": np.array([8], np.uint16), "q5_0": np.array([16], np.uint16)}  # stand in for m
 
 
 def _pack_blocks(fmt: str, kind, blocks: np.ndarray, n: int) -> tuple:
     """The arrays in the order the format's tile reads them (int_tiles), from blocks [n, nblocks, bytes]."""
+    if fmt == "iq4":
+        return _pack_iq4(kind, blocks, n)
     if fmt == "q8_0":
         q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, -1)
         return _groups(q, n).reshape(-1), _lanes(_f16(blocks, 0), n)

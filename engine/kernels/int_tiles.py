@@ -12,6 +12,7 @@ with every product and sum rounded to float32 (nothing fused) and a fixed operat
   q4_0, q5_0    acc = acc + (d * xd) * float(isum - 8|16 * sum(xq))
   q4_1, q5_1    acc = (acc + (d * xd) * float(isum)) + m * xm
   q8_0          acc = acc + (d * xd) * float(isum)
+  iq4_nl/_xs    acc = acc + ((d * sc) * xd) * float(isum)     (sc = 1 for iq4_nl)
   q4_k, q5_k    acc = (acc + ((d * sc) * xd) * float(isum)) - (dmin * mn) * xm
   q6_k          per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h - 32 * sum_h(xq))
 so a row's result depends on nothing but its own activations: not on T, the tile, or the path.
@@ -136,18 +137,48 @@ def q8_0_ahead(w, sb):
     _ask_ahead(d, sb, 16)
 
 
+def _s8_isum(qs, xq, xs, s, b, t0, tt):
+    """Exact isum of block b of strip s of signed 8-bit weights (q8_0's layout) with tokens t0.. quants."""
+    k = xq.shape[1]
+    nb = k // 32
+    isum = i32_zero(tt)
+    wi, xi = (s * nb + b) * 512, t0 * k + b * 32
+    for g in range(8):
+        isum = dot_s8(isum, wbytes(qs, wi + 64 * g), xbcast(xq, xi + 4 * g, k, tt))  # noqa: F821
+    xi = t0 * nb + b
+    return dot_s8_done(isum, i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt)))  # noqa: F821
+
+
 def q8_0_block(w, x, s, b, t0, tt, f):
     """q8_0: w = (qs int8, d)."""
     qs, d = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    isum = i32_zero(tt)
-    for g in range(8):
-        isum = dot_s8(isum, wbytes(qs, (s * nb + b) * 512 + 64 * g), xbcast(xq, t0 * k + b * 32 + 4 * g, k, tt))  # noqa: F821
+    isum = _s8_isum(qs, xq, xs, s, b, t0, tt)
     xi = t0 * nb + b
-    isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt)))  # noqa: F821
     return f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
+
+
+def iq4_ahead(w, sb):
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    qs, d, sc = w
+    _ask_ahead(qs, sb, 512)
+    _ask_ahead(d, sb, 16)
+    _ask_ahead(sc, sb, 16)
+
+
+def iq4_block(w, x, s, b, t0, tt, f):
+    """iq4_nl / iq4_xs: w = (qs int8: the values of their 16-entry table, in q8_0's layout; d fp16 and sc
+    int8 per block: iq4_xs's super-block scale and 6-bit block scale - 32, iq4_nl's block scale and 1)."""
+    qs, d, sc = w
+    xq, xd, xm, xs = x
+    k = xq.shape[1]
+    nb = k // 32
+    isum = _s8_isum(qs, xq, xs, s, b, t0, tt)
+    li, xi = (s * nb + b) * 16, t0 * nb + b
+    scale = f32_mul(row_f16(d, li), row_i8(sc, li))  # exact: 11 x 6 significant bits
+    return f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
 
 
 def kquant_ahead(w, sb):
