@@ -5,9 +5,9 @@ A strip is 16 output rows (the vector lanes, see simd). Per 32-weight block b of
            (low nibbles: k 0..15 of the block, high nibbles: k 16..31)
   qh       5-bit formats, 64 bytes; byte 4r+e, bit g / 4+g = bit 4 of the low / high weight of group g
   qh2      Q6_K, 2 x 64 bytes; vector h, byte 4r+e, bits 2g..2g+1 = bits 4..5 of q[r, 32b+16h+4g+e]
-  q8       Q8_0, 8 x 64 bytes; vector g, byte 4r+e = q[r, 32b+4g+e] (int8); IQ4_NL / IQ4_XS the same, q
-           their 16-entry table's value (-127..113), so they stream 8 bits a weight, not 4 (a nibble
-           table lookup in the tiles would halve that; not done)
+  q8       Q8_0, 8 x 64 bytes; vector g, byte 4r+e = q[r, 32b+4g+e] (int8)
+IQ4_NL / IQ4_XS keep their 4-bit indices into IQ4_NL's 16-value table as `nibbles`; the tiles look the
+values up (simd_paths.iq4_values).
 Scales are kept in their GGUF widths (fp16, 6-bit ints as uint8, int8), one 16-lane row per strip
 and block (or super-block). Integer quant values come from gguf-py's own dequantizer run on the
 blocks with their scales set to 1 and their minimums to 0, so they are gguf's values by construction.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
+from engine.kernels.simd_paths import IQ4_NL_VALUES
 from engine.kernels.weights import matrix_shape
 
 Q = gguf.GGMLQuantizationType
@@ -129,15 +130,16 @@ def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
 
 
 def _pack_iq4(kind, blocks: np.ndarray, n: int) -> tuple:
-    """IQ4_NL / IQ4_XS as "iq4": q8_0's layout of the table values, d and sc per block and row."""
+    """IQ4_NL / IQ4_XS as "iq4": the table indices as nibbles, d and sc per block and row."""
     xs = kind == Q.IQ4_XS
-    q = _quants(blocks, kind, _XS_UNIT if xs else {0: ONE_F16}, 0).view(np.int8)
+    values = _quants(blocks, kind, _XS_UNIT if xs else {0: ONE_F16}, 0).view(np.int8)  # [n, k] gguf's table values
+    q = np.searchsorted(np.array(IQ4_NL_VALUES, np.int8), values).astype(np.uint8)  # their indices
     d = _f16(blocks, 0)  # [n, super-blocks or blocks]
     if xs:
         d, sc = np.repeat(d, QK_K // QK, axis=1), _iq4_xs_scales(blocks)
     else:
         sc = np.ones_like(d, np.int8)
-    return _groups(q, n).reshape(-1), _lanes(d, n), _lanes(sc, n)
+    return _nibbles(q, n), _lanes(d, n), _lanes(sc, n)
 
 
 _NO_BITS = np.zeros(1, np.uint8)  # stands in for the bit-4 plane of 4-bit formats

@@ -163,22 +163,28 @@ def q8_0_block(w, x, s, b, t0, tt, f):
 def iq4_ahead(w, sb):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
     qs, d, sc = w
-    _ask_ahead(qs, sb, 512)
+    _ask_ahead(qs, sb, 256)
     _ask_ahead(d, sb, 16)
     _ask_ahead(sc, sb, 16)
 
 
 def iq4_block(w, x, s, b, t0, tt, f):
-    """iq4_nl / iq4_xs: w = (qs int8: the values of their 16-entry table, in q8_0's layout; d fp16 and sc
-    int8 per block: iq4_xs's super-block scale and 6-bit block scale - 32, iq4_nl's block scale and 1)."""
+    """iq4_nl / iq4_xs: w = (qs: 4-bit indices into IQ4_NL's table, laid out as q4_0's nibbles; d fp16 and
+    sc int8 per block: iq4_xs's super-block scale and 6-bit block scale - 32, iq4_nl's block scale and 1)."""
     qs, d, sc = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    isum = _s8_isum(qs, xq, xs, s, b, t0, tt)
-    li, xi = (s * nb + b) * 16, t0 * nb + b
+    wi, xi = (s * nb + b) * 256, t0 * k + b * 32
+    isum = i32_zero(tt)
+    for g in range(4):
+        v = wbytes(qs, wi + 64 * g)
+        isum = dot_s8(isum, iq4_values(bits_at(v, 0, 15)), xbcast(xq, xi + 4 * g, k, tt))  # noqa: F821
+        isum = dot_s8(isum, iq4_values(bits_at(v, 4, 15)), xbcast(xq, xi + 16 + 4 * g, k, tt))  # noqa: F821
+    li, bi = (s * nb + b) * 16, t0 * nb + b
+    isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * bi, 2 * nb, tt), tok_i32(xs, 2 * bi + 1, 2 * nb, tt)))  # noqa: F821
     scale = f32_mul(row_f16(d, li), row_i8(sc, li))  # exact: 11 x 6 significant bits
-    return f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
+    return f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, bi, nb, tt)), f32_from_i32(isum)))
 
 
 def kquant_ahead(w, sb):
