@@ -137,26 +137,17 @@ def q8_0_ahead(w, sb):
     _ask_ahead(d, sb, 16)
 
 
-def _s8_isum(qs, xq, xs, s, b, t0, tt):
-    """Exact isum of block b of strip s of signed 8-bit weights (q8_0's layout) with tokens t0.. quants."""
-    k = xq.shape[1]
-    nb = k // 32
-    isum = i32_zero(tt)
-    wi, xi = (s * nb + b) * 512, t0 * k + b * 32
-    for g in range(8):
-        isum = dot_s8(isum, wbytes(qs, wi + 64 * g), xbcast(xq, xi + 4 * g, k, tt))  # noqa: F821
-    xi = t0 * nb + b
-    return dot_s8_done(isum, i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt)))  # noqa: F821
-
-
 def q8_0_block(w, x, s, b, t0, tt, f):
     """q8_0: w = (qs int8, d)."""
     qs, d = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
-    isum = _s8_isum(qs, xq, xs, s, b, t0, tt)
+    isum = i32_zero(tt)
+    for g in range(8):
+        isum = dot_s8(isum, wbytes(qs, (s * nb + b) * 512 + 64 * g), xbcast(xq, t0 * k + b * 32 + 4 * g, k, tt))  # noqa: F821
     xi = t0 * nb + b
+    isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * xi, 2 * nb, tt), tok_i32(xs, 2 * xi + 1, 2 * nb, tt)))  # noqa: F821
     return f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
 
 
