@@ -1,10 +1,10 @@
-"""GGUF files of one random Llama model in Q4_1, Q4_K_M, IQ4_XS and IQ4_NL, to time the K-quant and
-IQ4 kernels against the legacy formats'.
+"""GGUF files of one random Llama model in Q4_1, Q4_K_M, IQ4_XS, IQ4_NL, Q3_K_M and Q2_K, to time the
+K-quant and IQ4 kernels against the legacy formats'.
 
     python -m benchmarks.kquant_pair OUT_DIR
     speculant bench model --model OUT_DIR/random-q4_1.gguf --long-context 0
     speculant bench model --model OUT_DIR/random-q4_k_m.gguf --long-context 0
-    speculant bench model --model OUT_DIR/random-iq4_xs.gguf --long-context 0   (and iq4_nl)
+    speculant bench model --model OUT_DIR/random-iq4_xs.gguf --long-context 0   (and iq4_nl, q3_k_m, q2_k)
 
 SmolLM2's width (576) is not a multiple of 256, so llama.cpp cannot store it in K-quants. This
 model is the same size class with K-quant-friendly widths (hidden 768, FFN 2048, 12 layers,
@@ -22,7 +22,8 @@ import numpy as np
 
 SHAPE = dict(layers=12, hidden=768, inter=2048, heads=12, kv_heads=4)
 FTYPES = {"q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
-          "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL"}
+          "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
+          "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K"}
 
 
 def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:

@@ -24,10 +24,11 @@ CHILDREN = 2  # subprocesses compiling the non-host paths (see other_paths)
 SPECS = {
     "q4_0": (Q.Q4_0, 37, 96), "q4_1": (Q.Q4_1, 40, 64), "q5_0": (Q.Q5_0, 21, 96), "q5_1": (Q.Q5_1, 18, 64),
     "q8_0": (Q.Q8_0, 35, 128), "q4_k": (Q.Q4_K, 19, 512), "q5_k": (Q.Q5_K, 33, 256), "q6_k": (Q.Q6_K, 17, 512),
-    "iq4_nl": (Q.IQ4_NL, 23, 64), "iq4_xs": (Q.IQ4_XS, 20, 512),
+    "iq4_nl": (Q.IQ4_NL, 23, 64), "iq4_xs": (Q.IQ4_XS, 20, 512), "q3_k": (Q.Q3_K, 29, 512), "q2_k": (Q.Q2_K, 22, 256),
 }
 # the fp16 fields of a (super-)block of the types gguf-py cannot quantize
-RANDOM_BLOCK_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+RANDOM_BLOCK_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.Q3_K: (108,),
+                       Q.Q2_K: (80, 82)}
 
 
 def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:

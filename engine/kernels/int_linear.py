@@ -27,8 +27,8 @@ from engine.kernels.simd import PATHS, specialize, specialize_family, store_firs
 
 # format -> the prefix of its int_tiles functions (a block's update, and the prefetch of its weights)
 BLOCKS = {"q4_0": "legacy", "q4_1": "legacy", "q5_0": "legacy", "q5_1": "legacy", "q8_0": "q8_0", "q4_k": "kquant",
-          "q5_k": "kquant", "q6_k": "q6_k", "iq4": "iq4"}
-_SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "tile", "pair")
+          "q5_k": "kquant", "q6_k": "k16", "q3_k": "k16", "q2_k": "q2_k", "iq4": "iq4"}
+_SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "_crumb_half", "tile", "pair")
 _kernels: dict = {}
 EIGHT_TOKEN_PATHS = ("avx512",)  # 32 vector registers of 16 lanes hold a tile of 8 tokens
 PAIR_PATHS = ("avx512", "vnni", "avx2")  # paths that run a last 5 or 6 tokens as a pair of tiles
@@ -149,7 +149,8 @@ def _next_pass(left, room, eight, pairs):
 
 def _traits(fmt: str) -> dict:
     """int_tiles' per-format constants."""
-    return {"HIGH_BIT": fmt in ("q5_0", "q5_1", "q5_k"), "OFFSET": fmt in ("q4_0", "q5_0")}
+    return {"HIGH_BIT": fmt in ("q5_0", "q5_1", "q5_k", "q3_k"), "OFFSET": fmt in ("q4_0", "q5_0"),
+            "K16_OFFSET": 4 if fmt == "q3_k" else 32}
 
 
 def kernel(fmt: str, path: str):

@@ -5,6 +5,7 @@ A strip is 16 output rows (the vector lanes, see simd). Per 32-weight block b of
            (low nibbles: k 0..15 of the block, high nibbles: k 16..31)
   qh       5-bit formats, 64 bytes; byte 4r+e, bit g / 4+g = bit 4 of the low / high weight of group g
   qh2      Q6_K, 2 x 64 bytes; vector h, byte 4r+e, bits 2g..2g+1 = bits 4..5 of q[r, 32b+16h+4g+e]
+  crumbs   Q3_K / Q2_K, 2 x 64 bytes; as qh2, of bits 0..1 (Q3_K: bit 2 in a qh laid out as the 5-bit formats')
   q8       Q8_0, 8 x 64 bytes; vector g, byte 4r+e = q[r, 32b+4g+e] (int8)
 IQ4_NL / IQ4_XS keep their 4-bit indices into IQ4_NL's 16-value table as `nibbles`; the tiles look the
 values up (simd_paths.iq4_values).
@@ -15,7 +16,9 @@ blocks with their scales set to 1 and their minimums to 0, so they are gguf's va
 What each format means (q: the unsigned quant, per row r and block; D, M exact in float32):
   q4_0 / q5_0   w = d * (q - 8 | 16)          q4_1 / q5_1   w = d * q + m
   q8_0          w = d * q (q signed)           q4_k / q5_k   w = (d * sc) * q - (dmin * mn)
-  q6_k          w = (d * sc16) * (q - 32), a scale per 16 weights
+  q6_k          w = (d * sc16) * (q - 32), a scale per 16 weights (int8)
+  q3_k          w = (d * sc16) * (q - 4), sc16 = the 6-bit scale - 32 (int8)
+  q2_k          w = (d * sc16) * q - (dmin * m16), sc16 | m16 << 4 one byte per 16 weights, as in the file
   iq4_nl        w = d * q                      iq4_xs        w = (d * (ls - 32)) * q, ls 6 bits per block
   (both as "iq4": d and sc int8 per block, iq4_xs's d repeated over its super-block, iq4_nl's sc 1)
 """
@@ -39,7 +42,7 @@ ONE_F16 = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)  # the two bytes of
 FORMATS = {
     Q.Q4_0: ("q4_0", 18, QK), Q.Q4_1: ("q4_1", 20, QK), Q.Q5_0: ("q5_0", 22, QK), Q.Q5_1: ("q5_1", 24, QK),
     Q.Q8_0: ("q8_0", 34, QK), Q.Q4_K: ("q4_k", 144, QK_K), Q.Q5_K: ("q5_k", 176, QK_K), Q.Q6_K: ("q6_k", 210, QK_K),
-    Q.IQ4_NL: ("iq4", 18, QK), Q.IQ4_XS: ("iq4", 136, QK_K),
+    Q.IQ4_NL: ("iq4", 18, QK), Q.IQ4_XS: ("iq4", 136, QK_K), Q.Q3_K: ("q3_k", 110, QK_K), Q.Q2_K: ("q2_k", 84, QK_K),
 }
 
 
@@ -83,16 +86,16 @@ def _nibbles(q: np.ndarray, n: int) -> np.ndarray:
     return (g[:, :, :4] | (g[:, :, 4:] << np.uint8(4))).reshape(-1)
 
 
-def _high_bits(q: np.ndarray, n: int) -> np.ndarray:
-    """Bit 4 of each weight: one byte per (row, e) holds the 8 groups' bits."""
-    g = (_groups(q, n) >> np.uint8(4)) & np.uint8(1)  # [S, nb, 8, 16, 4]
+def _high_bits(q: np.ndarray, n: int, bit: int = 4) -> np.ndarray:
+    """Bit `bit` of each weight: one byte per (row, e) holds the 8 groups' bits."""
+    g = (_groups(q, n) >> np.uint8(bit)) & np.uint8(1)  # [S, nb, 8, 16, 4]
     weights = (np.uint8(1) << np.arange(8, dtype=np.uint8)).reshape(1, 1, 8, 1, 1)
     return (g * weights).sum(axis=2, dtype=np.uint8).reshape(-1)
 
 
-def _high_pairs(q: np.ndarray, n: int) -> np.ndarray:
-    """Bits 4..5 of each weight: vector h holds groups 4h..4h+3, two bits each."""
-    g = (_groups(q, n) >> np.uint8(4)) & np.uint8(3)  # [S, nb, 8, 16, 4]
+def _high_pairs(q: np.ndarray, n: int, low: int = 4) -> np.ndarray:
+    """Bits low..low+1 of each weight: vector h holds groups 4h..4h+3, two bits each."""
+    g = (_groups(q, n) >> np.uint8(low)) & np.uint8(3)  # [S, nb, 8, 16, 4]
     g = g.reshape(g.shape[0], g.shape[1], 2, 4, STRIP, 4)
     shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1, 1)
     return (g << shifts).sum(axis=3, dtype=np.uint8).reshape(-1)
@@ -142,6 +145,23 @@ def _pack_iq4(kind, blocks: np.ndarray, n: int) -> tuple:
     return _nibbles(q, n), _lanes(d, n), _lanes(sc, n)
 
 
+# Q3_K with d 1 and every 6-bit scale 33 (low nibbles 1, high bit pairs 2): gguf gives q - 4
+_Q3_UNIT = {96: np.array([0x11] * 8 + [0xAA] * 4, np.uint8), 108: ONE_F16}
+# ... and with quants 1 (every crumb 1, every hmask bit set: no - 4): gguf gives the scales - 32
+_Q3_SCALES = {0: np.full(32, 0xFF, np.uint8), 32: np.full(64, 0x55, np.uint8), 108: ONE_F16}
+
+
+def _pack_low_bits(kind, blocks: np.ndarray, n: int) -> tuple:
+    """Q3_K as (crumbs, qh, d, sc int8 per 16); Q2_K as (crumbs, d, dmin, sc | m << 4 per 16)."""
+    if kind == Q.Q3_K:
+        q = _quants(blocks, kind, _Q3_UNIT, 4)
+        scales = _quants(blocks, kind, _Q3_SCALES, 0).view(np.int8)[:, ::16]  # [n, k / 16]
+        return _high_pairs(q, n, 0), _high_bits(q, n, 2), _lanes(_f16(blocks, 108), n), _lanes(scales, n)
+    q = _quants(blocks, kind, {0: np.ones(16, np.uint8), 80: ONE_F16, 82: _ZERO2}, 0)  # scales 1, minimums 0
+    scales = np.ascontiguousarray(blocks[:, :, :16]).reshape(n, -1)
+    return _high_pairs(q, n, 0), _lanes(_f16(blocks, 80), n), _lanes(_f16(blocks, 82), n), _lanes(scales, n)
+
+
 _NO_BITS = np.zeros(1, np.uint8)  # stands in for the bit-4 plane of 4-bit formats
 _OFFSETS = {"q4_0": np.array([8], np.uint16), "q5_0": np.array([16], np.uint16)}  # stand in for m
 
@@ -150,6 +170,8 @@ def _pack_blocks(fmt: str, kind, blocks: np.ndarray, n: int) -> tuple:
     """The arrays in the order the format's tile reads them (int_tiles), from blocks [n, nblocks, bytes]."""
     if fmt == "iq4":
         return _pack_iq4(kind, blocks, n)
+    if fmt in ("q3_k", "q2_k"):
+        return _pack_low_bits(kind, blocks, n)
     if fmt == "q8_0":
         q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, -1)
         return _groups(q, n).reshape(-1), _lanes(_f16(blocks, 0), n)

@@ -14,7 +14,8 @@ with every product and sum rounded to float32 (nothing fused) and a fixed operat
   q8_0          acc = acc + (d * xd) * float(isum)
   iq4_nl/_xs    acc = acc + ((d * sc) * xd) * float(isum)     (sc = 1 for iq4_nl)
   q4_k, q5_k    acc = (acc + ((d * sc) * xd) * float(isum)) - (dmin * mn) * xm
-  q6_k          per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h - 32 * sum_h(xq))
+  q6_k, q3_k    per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h - 32|4 * sum_h(xq))
+  q2_k          per half h: acc = (acc + ((d * sc_h) * xd) * float(isum_h)) - ((dmin * m_h) * xd) * float(sum_h(xq))
 so a row's result depends on nothing but its own activations: not on T, the tile, or the path.
 
 Each block also asks for the weight lines AHEAD blocks further on (software prefetch): at T = 1 the
@@ -36,7 +37,9 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
     i32_zero,
     prefetch,
     row_f16,
+    row_hi4,
     row_i8,
+    row_lo4,
     row_u8,
     tok_f32,
     tok_i32,
@@ -48,8 +51,9 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
 AHEAD = 16  # blocks: prefetch the weights this far ahead in the strip-major stream
 # The format's traits, rebound per format when int_linear compiles a kernel (Numba freezes globals
 # as constants, so each format's tile keeps only its own branches and registers):
-HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit
+HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit (q3_k: its third)
 OFFSET = False  # q4_0 / q5_0: w = d * (q - 8 | 16), no minimum
+K16_OFFSET = 32  # q6_k 32, q3_k 4: w = (d * sc) * (q - K16_OFFSET)
 
 
 def _ask_ahead(a, block, per_block):
@@ -213,25 +217,67 @@ def _q6_half(qs, qh2, xq, wi, hi, xi, k, tt):
     return isum
 
 
-def q6_k_ahead(w, sb):
+def _crumb_half(qc, qh, xq, wi, hi, xi, k, tt):
+    """isum of one block half of 2-bit weights, or 3-bit with HIGH_BIT (q3_k: the third bit in qh), in one
+    16-bit flush (4 accumulations of at most 2 x 7 x 128)."""
+    crumbs = wbytes(qc, wi // 2 + 64 * hi)
+    a = acc_zero(tt)  # noqa: F821
+    for g in range(4):
+        v = bits_at(crumbs, 2 * g, 3)
+        if HIGH_BIT:
+            v = bits_put(v, bits_at(wbytes(qh, wi // 4), 4 * hi + g, 1), 2)
+        a = acc_add(a, v, xbcast(xq, xi + 16 * hi + 4 * g, k, tt))  # noqa: F821
+    return acc_i32(a)  # noqa: F821
+
+
+def k16_ahead(w, sb):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
-    qs, qh2, _, sc = w
-    _ask_ahead(qs, sb, 256)
-    _ask_ahead(qh2, sb, 128)
+    lo, hi, _, sc = w
+    _ask_ahead(lo, sb, 256 if K16_OFFSET == 32 else 128)
+    _ask_ahead(hi, sb, 128 if K16_OFFSET == 32 else 64)
     _ask_ahead(sc, sb, 32)
 
 
-def q6_k_block(w, x, s, b, t0, tt, f):
-    """q6_k: w = (qs, qh2, d, sc int8 per 16)."""
-    qs, qh2, d, sc = w
+def k16_block(w, x, s, b, t0, tt, f):
+    """q6_k (w = (qs, qh2, d, sc)) and q3_k (w = (crumbs, qh, d, sc)): w = (d * sc) * (q - K16_OFFSET), an
+    int8 scale sc per 16 weights, d per super-block."""
+    lo, hi, d, sc = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
     nb = k // 32
     si, xi = (s * (nb // 8) + b // 8) * 16, t0 * nb + b
     dx = tok_f32(xd, xi, nb, tt)
-    for hi in range(2):
-        isum = _q6_half(qs, qh2, xq, (s * nb + b) * 256, hi, t0 * k + b * 32, k, tt)
-        isum = i32_sub(isum, i32_mul(tok_i32(xs, 2 * xi + hi, 2 * nb, tt), i32_splat(32, tt)))
-        scale = f32_mul(row_f16(d, si), row_i8(sc, (s * 2 * nb + 2 * b + hi) * 16))  # exact
+    for h in range(2):
+        if K16_OFFSET == 32:
+            isum = _q6_half(lo, hi, xq, (s * nb + b) * 256, h, t0 * k + b * 32, k, tt)
+        else:
+            isum = _crumb_half(lo, hi, xq, (s * nb + b) * 256, h, t0 * k + b * 32, k, tt)
+        isum = i32_sub(isum, i32_mul(tok_i32(xs, 2 * xi + h, 2 * nb, tt), i32_splat(K16_OFFSET, tt)))
+        scale = f32_mul(row_f16(d, si), row_i8(sc, (s * 2 * nb + 2 * b + h) * 16))  # exact: 11 x 6 significant bits
         f = f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
+    return f
+
+
+def q2_k_ahead(w, sb):
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    qc, _, _, scm = w
+    _ask_ahead(qc, sb, 128)
+    _ask_ahead(scm, sb, 32)
+
+
+def q2_k_block(w, x, s, b, t0, tt, f):
+    """q2_k: w = (crumbs, d, dmin, sc | m << 4 per 16); per half: w = (d * sc) * q - dmin * m."""
+    qc, d, dmin, scm = w
+    xq, xd, xm, xs = x
+    k = xq.shape[1]
+    nb = k // 32
+    si, xi = (s * (nb // 8) + b // 8) * 16, t0 * nb + b
+    dx = tok_f32(xd, xi, nb, tt)
+    for h in range(2):
+        isum = _crumb_half(qc, qc, xq, (s * nb + b) * 256, h, t0 * k + b * 32, k, tt)
+        li = (s * 2 * nb + 2 * b + h) * 16
+        scale = f32_mul(row_f16(d, si), row_lo4(scm, li))  # exact: 11 x 4 significant bits
+        low = f32_mul(row_f16(dmin, si), row_hi4(scm, li))
+        f = f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
+        f = f32_sub(f, f32_mul(f32_mul(low, dx), f32_from_i32(tok_i32(xs, 2 * xi + h, 2 * nb, tt))))
     return f

@@ -1,7 +1,7 @@
 """Weight products y = x @ W.T for small token counts, bit-invariant across T and batch rows.
 
 Two numerics, chosen when a weight is packed:
-  int8   GGUF integer formats (Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K) stay in their blocks and multiply
+  int8   GGUF integer formats (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS) stay in their blocks and multiply
          int8-quantized activations with exact integer sums (int_linear); other types as exact.
   exact  strict float32: strips of 16 output rows stored k-major (see linear_jit); Q4_1 and Q8_0
          keep their exact quants and scales, every other type is dequantized to float32.
