@@ -28,7 +28,7 @@ from engine.kernels.simd import PATHS, specialize, specialize_family, store_firs
 # format -> the prefix of its int_tiles functions (a block's update, and the prefetch of its weights)
 BLOCKS = {"q4_0": "legacy", "q4_1": "legacy", "q5_0": "legacy", "q5_1": "legacy", "q8_0": "q8_0", "q4_k": "kquant",
           "q5_k": "kquant", "q6_k": "k16", "q3_k": "k16", "q2_k": "q2_k", "iq4": "iq4"}
-_SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "_crumb_half", "tile", "pair")
+_SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "_crumb_half", "_per_16_at", "tile", "pair")
 _kernels: dict = {}
 EIGHT_TOKEN_PATHS = ("avx512",)  # 32 vector registers of 16 lanes hold a tile of 8 tokens
 PAIR_PATHS = ("avx512", "vnni", "avx2")  # paths that run a last 5 or 6 tokens as a pair of tiles

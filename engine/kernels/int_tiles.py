@@ -230,6 +230,14 @@ def _crumb_half(qc, qh, xq, wi, hi, xi, k, tt):
     return acc_i32(a)  # noqa: F821
 
 
+def _per_16_at(x, s, b, t0, tt):
+    """For the formats with a scale per 16 weights: (k, blocks a row, the super-block's lane row si, the
+    tokens' block xi, their activation scales dx)."""
+    nb = x[0].shape[1] // 32
+    xi = t0 * nb + b
+    return x[0].shape[1], nb, (s * (nb // 8) + b // 8) * 16, xi, tok_f32(x[1], xi, nb, tt)
+
+
 def k16_ahead(w, sb):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
     lo, hi, _, sc = w
@@ -242,11 +250,8 @@ def k16_block(w, x, s, b, t0, tt, f):
     """q6_k (w = (qs, qh2, d, sc)) and q3_k (w = (crumbs, qh, d, sc)): w = (d * sc) * (q - K16_OFFSET), an
     int8 scale sc per 16 weights, d per super-block."""
     lo, hi, d, sc = w
-    xq, xd, xm, xs = x
-    k = xq.shape[1]
-    nb = k // 32
-    si, xi = (s * (nb // 8) + b // 8) * 16, t0 * nb + b
-    dx = tok_f32(xd, xi, nb, tt)
+    xq, xs = x[0], x[3]
+    k, nb, si, xi, dx = _per_16_at(x, s, b, t0, tt)
     for h in range(2):
         if K16_OFFSET == 32:
             isum = _q6_half(lo, hi, xq, (s * nb + b) * 256, h, t0 * k + b * 32, k, tt)
@@ -268,11 +273,8 @@ def q2_k_ahead(w, sb):
 def q2_k_block(w, x, s, b, t0, tt, f):
     """q2_k: w = (crumbs, d, dmin, sc | m << 4 per 16); per half: w = (d * sc) * q - dmin * m."""
     qc, d, dmin, scm = w
-    xq, xd, xm, xs = x
-    k = xq.shape[1]
-    nb = k // 32
-    si, xi = (s * (nb // 8) + b // 8) * 16, t0 * nb + b
-    dx = tok_f32(xd, xi, nb, tt)
+    xq, xs = x[0], x[3]
+    k, nb, si, xi, dx = _per_16_at(x, s, b, t0, tt)
     for h in range(2):
         isum = _crumb_half(qc, qc, xq, (s * nb + b) * 256, h, t0 * k + b * 32, k, tt)
         li = (s * 2 * nb + 2 * b + h) * 16

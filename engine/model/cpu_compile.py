@@ -139,6 +139,8 @@ def compile_ahead(runner, batch, also=()) -> None:
         helper = start_helper(runner.vector_attention, attention_signature(runner, batch))
         if helper is None:
             return
+        log.info("compiling the CPU kernels for this CPU (a cold cache: a minute or two, once per CPU and version; "
+                 "kept in %s)", os.environ.get("NUMBA_CACHE_DIR"))
         try:
             compile_products(runner)
             for compile_more in also:
