@@ -86,7 +86,7 @@ def other_paths(weights_file, tmp_path_factory):
             for part, a in enumerate(int_linear.quantize(x)):
                 inputs[input_key(name, num_tokens, part)] = a.copy()
     np.savez(folder / "inputs.npz", **inputs)
-    kernels = {FORMATS[qtype][0]: name for name, (qtype, _, _) in reversed(SPECS.items())}  # IQ4_NL, IQ4_XS: one
+    kernels = {FORMATS[qtype][0]: name for name, (qtype, _, _) in reversed(SPECS.items())}  # one per internal format
     pairs = [(name, path) for path in int_linear.runnable_paths() if path != int_linear.host_path()
              for name in kernels.values()]
     children = []

@@ -20,7 +20,7 @@ What each format means (q: the unsigned quant, per row r and block; D, M exact i
   q3_k          w = (d * sc16) * (q - 4), sc16 = the 6-bit scale - 32 (int8)
   q2_k          w = (d * sc16) * q - (dmin * m16), sc16 | m16 << 4 one byte per 16 weights, as in the file
   iq4_nl        w = d * q                      iq4_xs        w = (d * (ls - 32)) * q, ls 6 bits per block
-  (both as "iq4": d and sc int8 per block, iq4_xs's d repeated over its super-block, iq4_nl's sc 1)
+  (both as their table indices in q4_0's nibble layout; iq4_xs's ls - 32 as int8, its d per super-block)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ONE_F16 = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)  # the two bytes of
 FORMATS = {
     Q.Q4_0: ("q4_0", 18, QK), Q.Q4_1: ("q4_1", 20, QK), Q.Q5_0: ("q5_0", 22, QK), Q.Q5_1: ("q5_1", 24, QK),
     Q.Q8_0: ("q8_0", 34, QK), Q.Q4_K: ("q4_k", 144, QK_K), Q.Q5_K: ("q5_k", 176, QK_K), Q.Q6_K: ("q6_k", 210, QK_K),
-    Q.IQ4_NL: ("iq4", 18, QK), Q.IQ4_XS: ("iq4", 136, QK_K), Q.Q3_K: ("q3_k", 110, QK_K), Q.Q2_K: ("q2_k", 84, QK_K),
+    Q.IQ4_NL: ("iq4_nl", 18, QK), Q.IQ4_XS: ("iq4_xs", 136, QK_K), Q.Q3_K: ("q3_k", 110, QK_K), Q.Q2_K: ("q2_k", 84, QK_K),
 }
 
 
@@ -133,16 +133,12 @@ def _iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
 
 
 def _pack_iq4(kind, blocks: np.ndarray, n: int) -> tuple:
-    """IQ4_NL / IQ4_XS as "iq4": the table indices as nibbles, d and sc per block and row."""
+    """IQ4_NL / IQ4_XS: the table indices as nibbles, d (per block / super-block) and sc (per block; none for IQ4_NL)."""
     xs = kind == Q.IQ4_XS
     values = _quants(blocks, kind, _XS_UNIT if xs else {0: ONE_F16}, 0).view(np.int8)  # [n, k] gguf's table values
     q = np.searchsorted(np.array(IQ4_NL_VALUES, np.int8), values).astype(np.uint8)  # their indices
     d = _f16(blocks, 0)  # [n, super-blocks or blocks]
-    if xs:
-        d, sc = np.repeat(d, QK_K // QK, axis=1), _iq4_xs_scales(blocks)
-    else:
-        sc = np.ones_like(d, np.int8)
-    return _nibbles(q, n), _lanes(d, n), _lanes(sc, n)
+    return _nibbles(q, n), _lanes(d, n), _lanes(_iq4_xs_scales(blocks), n) if xs else _NO_BITS
 
 
 # Q3_K with d 1 and every 6-bit scale 33 (low nibbles 1, high bit pairs 2): gguf gives q - 4
@@ -168,7 +164,7 @@ _OFFSETS = {"q4_0": np.array([8], np.uint16), "q5_0": np.array([16], np.uint16)}
 
 def _pack_blocks(fmt: str, kind, blocks: np.ndarray, n: int) -> tuple:
     """The arrays in the order the format's tile reads them (int_tiles), from blocks [n, nblocks, bytes]."""
-    if fmt == "iq4":
+    if fmt in ("iq4_nl", "iq4_xs"):
         return _pack_iq4(kind, blocks, n)
     if fmt in ("q3_k", "q2_k"):
         return _pack_low_bits(kind, blocks, n)

@@ -12,7 +12,8 @@ with every product and sum rounded to float32 (nothing fused) and a fixed operat
   q4_0, q5_0    acc = acc + (d * xd) * float(isum - 8|16 * sum(xq))
   q4_1, q5_1    acc = (acc + (d * xd) * float(isum)) + m * xm
   q8_0          acc = acc + (d * xd) * float(isum)
-  iq4_nl/_xs    acc = acc + ((d * sc) * xd) * float(isum)     (sc = 1 for iq4_nl)
+  iq4_nl        acc = acc + (d * xd) * float(isum)
+  iq4_xs        acc = acc + ((d * sc) * xd) * float(isum)
   q4_k, q5_k    acc = (acc + ((d * sc) * xd) * float(isum)) - (dmin * mn) * xm
   q6_k, q3_k    per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h - 32|4 * sum_h(xq))
   q2_k          per half h: acc = (acc + ((d * sc_h) * xd) * float(isum_h)) - ((dmin * m_h) * xd) * float(sum_h(xq))
@@ -53,6 +54,7 @@ AHEAD = 16  # blocks: prefetch the weights this far ahead in the strip-major str
 # as constants, so each format's tile keeps only its own branches and registers):
 HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit (q3_k: its third)
 OFFSET = False  # q4_0 / q5_0: w = d * (q - 8 | 16), no minimum
+IQ4_XS = False  # iq4_xs: d per super-block and an int8 scale per block (iq4_nl: d per block only)
 K16_OFFSET = 32  # q6_k 32, q3_k 4: w = (d * sc) * (q - K16_OFFSET)
 
 
@@ -156,16 +158,16 @@ def q8_0_block(w, x, s, b, t0, tt, f):
 
 
 def iq4_ahead(w, sb):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b); iq4_xs's d is per super-block (not asked)."""
     qs, d, sc = w
     _ask_ahead(qs, sb, 256)
-    _ask_ahead(d, sb, 16)
-    _ask_ahead(sc, sb, 16)
+    _ask_ahead(d, sb, 0 if IQ4_XS else 16)
+    _ask_ahead(sc, sb, 16 if IQ4_XS else 0)
 
 
 def iq4_block(w, x, s, b, t0, tt, f):
-    """iq4_nl / iq4_xs: w = (qs: 4-bit indices into IQ4_NL's table, laid out as q4_0's nibbles; d fp16 and
-    sc int8 per block: iq4_xs's super-block scale and 6-bit block scale - 32, iq4_nl's block scale and 1)."""
+    """iq4_nl / iq4_xs: w = (qs: 4-bit indices into IQ4_NL's table, laid out as q4_0's nibbles; d fp16, sc int8):
+    iq4_nl: d per block, sc unused; iq4_xs (IQ4_XS): d per super-block, sc = its 6-bit block scale - 32."""
     qs, d, sc = w
     xq, xd, xm, xs = x
     k = xq.shape[1]
@@ -178,7 +180,10 @@ def iq4_block(w, x, s, b, t0, tt, f):
         isum = dot_s8(isum, iq4_values(bits_at(v, 4, 15)), xbcast(xq, xi + 16 + 4 * g, k, tt))  # noqa: F821
     li, bi = (s * nb + b) * 16, t0 * nb + b
     isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * bi, 2 * nb, tt), tok_i32(xs, 2 * bi + 1, 2 * nb, tt)))  # noqa: F821
-    scale = f32_mul(row_f16(d, li), row_i8(sc, li))  # exact: 11 x 6 significant bits
+    if IQ4_XS:
+        scale = f32_mul(row_f16(d, (s * (nb // 8) + b // 8) * 16), row_i8(sc, li))  # exact: 11 x 6 significant bits
+    else:
+        scale = row_f16(d, li)
     return f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, bi, nb, tt)), f32_from_i32(isum)))
 
 
