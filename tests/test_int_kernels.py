@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
 from engine.kernels import int_linear
+from engine.kernels import linear as linear_module
 from engine.kernels.int_pack import FORMATS, IntWeight
 from engine.kernels.linear import WeightParts, linear, pack_gguf_rows, pack_gguf_tensor
 from int_paths_child import ISA_TOKENS, input_key, outputs_file
@@ -257,6 +258,29 @@ def test_float_types_keep_the_exact_path_under_int8(tensors):
     assert not isinstance(pack_gguf_tensor(F32, "int8"), IntWeight)
 
 
+def test_a_type_without_integer_kernel_runs_as_float32_and_says_so(caplog):
+    """IQ3_XXS (no integer kernel): gguf's own float32 weights, and one warning naming the type."""
+    rng = np.random.default_rng(8)
+    blocks = rng.integers(0, 256, (16, 98), dtype=np.uint8)  # 16 rows of one 256-weight IQ3_XXS block
+    blocks[:, :2] = np.full((16, 1), 0.01, np.float16).view(np.uint8)
+
+    class IQ3:
+        name, tensor_type, shape, data = "iq3", Q.IQ3_XXS, [256, 16], blocks.reshape(-1)
+
+    caplog.set_level("WARNING", logger="engine.kernels.linear")
+    linear_module._fallbacks_said.discard(Q.IQ3_XXS)  # said once per process: this test wants to see it
+    w = pack_gguf_tensor(IQ3, "int8")
+    assert not isinstance(w, IntWeight)
+    x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
+    out = run(x, w)
+    want = x.astype(np.float64) @ dequantized(IQ3).astype(np.float64).T
+    assert np.abs(out - want).max() / np.abs(want).max() <= 1e-5
+    said = [r.getMessage() for r in caplog.records if "IQ3_XXS" in r.getMessage()]
+    assert len(said) == 1 and "float32" in said[0]
+    pack_gguf_tensor(IQ3, "int8")  # a second tensor of the type: no second warning
+    assert sum("IQ3_XXS" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_unknown_numerics_is_a_clear_error(tensors):
     with pytest.raises(ValueError, match="numerics"):
         pack_gguf_tensor(tensors["q4_1"], "int4")
@@ -266,6 +290,7 @@ VNNI_PROBE = """
 import numpy as np, gguf
 import engine
 from engine.kernels import int_linear
+from engine.kernels import linear as linear_module
 from engine.kernels.int_pack import pack_int
 from engine.kernels.weights import RawTensor
 w = pack_int(RawTensor("w", gguf.GGMLQuantizationType.{qtype}, (256, 16), {data}))

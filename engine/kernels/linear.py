@@ -10,6 +10,7 @@ token count selects, or on the other rows of the batch: speculative verification
 tokens therefore reproduces plain T = 1 decoding bit for bit.
 """
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from engine.kernels import int_linear, linear_jit, linear_quant
 from engine.kernels.int_pack import IntWeight, pack_int
 from engine.kernels.weights import concat_gguf_rows, matrix_shape
 
+log = logging.getLogger(__name__)
 NUMERICS = ("int8", "exact")
 STRIP = 16  # output rows per strip
 QK = 32  # weights per GGUF Q4_1 / Q8_0 block
@@ -146,6 +148,8 @@ def pack_gguf_tensor(t, numerics: str = "exact") -> Weight:
             return packed
     name, k, n = matrix_shape(t)
     kind = gguf.GGMLQuantizationType(t.tensor_type)
+    if numerics == "int8":
+        _say_float_fallback(kind)
     raw = np.asarray(t.data)
     if kind in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
         block_bytes = _Q4_1_BLOCK_BYTES if kind == gguf.GGMLQuantizationType.Q4_1 else _Q8_0_BLOCK_BYTES
@@ -160,6 +164,18 @@ def pack_gguf_tensor(t, numerics: str = "exact") -> Weight:
     if w.size != n * k:
         raise ValueError(f"{name}: data holds {w.size} weights, shape {[k, n]} needs {n * k}")
     return pack_f32(np.asarray(w, np.float32).reshape(n, k))
+
+
+_fallbacks_said: set = set()
+
+
+def _say_float_fallback(kind) -> None:
+    """Once per type and process: a type with no integer kernel runs as float32, several times its bytes."""
+    if kind not in _fallbacks_said and kind != gguf.GGMLQuantizationType.F32:
+        _fallbacks_said.add(kind)
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        log.warning("weights of type %s have no integer kernel: they run as float32, dequantized at load "
+                    "(%.1fx their bytes in the file)", kind.name, 4 * block / size)
 
 
 def pack_gguf_rows(tensors, numerics: str = "exact") -> Weight:
