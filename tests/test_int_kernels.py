@@ -258,15 +258,16 @@ def test_float_types_keep_the_exact_path_under_int8(tensors):
     assert not isinstance(pack_gguf_tensor(F32, "int8"), IntWeight)
 
 
+class IQ3:
+    """16 random rows of one 256-weight IQ3_XXS block (a type with no integer kernel)."""
+
+    blocks = np.random.default_rng(8).integers(0, 256, (16, 98), dtype=np.uint8)
+    blocks[:, :2] = np.full((16, 1), 0.01, np.float16).view(np.uint8)
+    name, tensor_type, shape, data = "iq3", Q.IQ3_XXS, [256, 16], blocks.reshape(-1)
+
+
 def test_a_type_without_integer_kernel_runs_as_float32_and_says_so(caplog):
     """IQ3_XXS (no integer kernel): gguf's own float32 weights, and one warning naming the type."""
-    rng = np.random.default_rng(8)
-    blocks = rng.integers(0, 256, (16, 98), dtype=np.uint8)  # 16 rows of one 256-weight IQ3_XXS block
-    blocks[:, :2] = np.full((16, 1), 0.01, np.float16).view(np.uint8)
-
-    class IQ3:
-        name, tensor_type, shape, data = "iq3", Q.IQ3_XXS, [256, 16], blocks.reshape(-1)
-
     caplog.set_level("WARNING", logger="engine.kernels.linear")
     linear_module._fallbacks_said.discard(Q.IQ3_XXS)  # said once per process: this test wants to see it
     w = pack_gguf_tensor(IQ3, "int8")
@@ -279,6 +280,22 @@ def test_a_type_without_integer_kernel_runs_as_float32_and_says_so(caplog):
     assert len(said) == 1 and "float32" in said[0]
     pack_gguf_tensor(IQ3, "int8")  # a second tensor of the type: no second warning
     assert sum("IQ3_XXS" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_rows_stacked_with_a_float_only_type_name_that_type(tensors, caplog):
+    """q|k|v-style rows of Q2_K and IQ3_XXS: the stack runs as float32 (gguf's weights) and the warning names
+    IQ3_XXS, not the float32 stack."""
+    caplog.set_level("WARNING", logger="engine.kernels.linear")
+    linear_module._fallbacks_said.discard(Q.IQ3_XXS)
+    parts = [tensors["q2_k"], IQ3]
+    w = pack_gguf_rows(parts, "int8")
+    assert not isinstance(w, (IntWeight, WeightParts))
+    x = np.random.default_rng(10).standard_normal((4, 256)).astype(np.float32)
+    want = x.astype(np.float64) @ np.concatenate([dequantized(t) for t in parts]).astype(np.float64).T
+    out = run(x, w)
+    assert np.abs(out - want).max() / np.abs(want).max() <= 1e-5
+    said = [r.getMessage() for r in caplog.records if "no integer kernel" in r.getMessage()]
+    assert len(said) == 1 and "IQ3_XXS" in said[0]
 
 
 def test_unknown_numerics_is_a_clear_error(tensors):

@@ -191,6 +191,9 @@ def pack_gguf_rows(tensors, numerics: str = "exact") -> Weight:
         if all(p is not None for p in parts):
             offsets = tuple(int(v) for v in np.cumsum([0] + [p.n for p in parts[:-1]]))
             return WeightParts(sum(p.n for p in parts), parts[0].k, tuple(parts), offsets, sum(p.nbytes for p in parts))
+        for t, p in zip(tensors, parts):  # the stack runs as float32 below: name the types that made it so
+            if p is None:
+                _say_float_fallback(gguf.GGMLQuantizationType(t.tensor_type))
     return pack_gguf_tensor(concat_gguf_rows(tensors), numerics)
 
 
