@@ -307,7 +307,6 @@ VNNI_PROBE = """
 import numpy as np, gguf
 import engine
 from engine.kernels import int_linear
-from engine.kernels import linear as linear_module
 from engine.kernels.int_pack import pack_int
 from engine.kernels.weights import RawTensor
 w = pack_int(RawTensor("w", gguf.GGMLQuantizationType.{qtype}, (256, 16), {data}))
