@@ -26,10 +26,14 @@ SPECS = {
     "q4_0": (Q.Q4_0, 37, 96), "q4_1": (Q.Q4_1, 40, 64), "q5_0": (Q.Q5_0, 21, 96), "q5_1": (Q.Q5_1, 18, 64),
     "q8_0": (Q.Q8_0, 35, 128), "q4_k": (Q.Q4_K, 19, 512), "q5_k": (Q.Q5_K, 33, 256), "q6_k": (Q.Q6_K, 17, 512),
     "iq4_nl": (Q.IQ4_NL, 23, 64), "iq4_xs": (Q.IQ4_XS, 20, 512), "q3_k": (Q.Q3_K, 29, 512), "q2_k": (Q.Q2_K, 22, 256),
+    "iq3_xxs": (Q.IQ3_XXS, 19, 512), "iq3_s": (Q.IQ3_S, 18, 256), "iq2_xxs": (Q.IQ2_XXS, 21, 256),
+    "iq2_xs": (Q.IQ2_XS, 17, 512), "iq2_s": (Q.IQ2_S, 20, 256), "iq1_s": (Q.IQ1_S, 22, 256),
+    "iq1_m": (Q.IQ1_M, 19, 512), "tq1_0": (Q.TQ1_0, 18, 256), "tq2_0": (Q.TQ2_0, 23, 256),
 }
-# the fp16 fields of a (super-)block of the types gguf-py cannot quantize
+# the fp16 fields of a (super-)block of the types gguf-py cannot quantize (IQ1_M's d: see random_blocks)
 RANDOM_BLOCK_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,), Q.Q3_K: (108,),
-                       Q.Q2_K: (80, 82)}
+                       Q.Q2_K: (80, 82), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,), Q.IQ2_S: (0,),
+                       Q.IQ1_S: (0,), Q.IQ1_M: (), Q.TQ1_0: (52,), Q.TQ2_0: (64,)}
 
 
 def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
@@ -37,9 +41,13 @@ def random_blocks(qtype, n: int, k: int, rng) -> np.ndarray:
     6-bit scale and every table entry occurs), with the fp16 scales set to small finite values."""
     _, block_bytes, per_block = FORMATS[qtype]
     blocks = rng.integers(0, 256, (n, k // per_block, block_bytes), dtype=np.uint8)
+    small = lambda: (rng.random((n, k // per_block, 1)) * 0.004 + 1e-4).astype(np.float16)  # noqa: E731
     for off in RANDOM_BLOCK_SCALES[qtype]:
-        scales = (rng.random((n, k // per_block, 1)) * 0.004 + 1e-4).astype(np.float16)
-        blocks[:, :, off : off + 2] = scales.view(np.uint8)
+        blocks[:, :, off : off + 2] = small().view(np.uint8)
+    if qtype == Q.IQ1_M:  # d's 4 nibbles are the top nibbles of its 4 scale words (bytes 48..55)
+        words = np.ascontiguousarray(blocks[:, :, 48:56]).view(np.uint16)  # [n, blocks, 4]
+        nibbles = (small().view(np.uint16) >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(15)
+        blocks[:, :, 48:56] = ((words & np.uint16(0x0FFF)) | (nibbles << np.uint16(12))).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -258,36 +266,36 @@ def test_float_types_keep_the_exact_path_under_int8(tensors):
     assert not isinstance(pack_gguf_tensor(F32, "int8"), IntWeight)
 
 
-class IQ3:
-    """16 random rows of one 256-weight IQ3_XXS block (a type with no integer kernel)."""
+class MX:
+    """16 random rows of eight 32-weight MXFP4 blocks (a type with no integer kernel)."""
 
-    blocks = np.random.default_rng(8).integers(0, 256, (16, 98), dtype=np.uint8)
-    blocks[:, :2] = np.full((16, 1), 0.01, np.float16).view(np.uint8)
-    name, tensor_type, shape, data = "iq3", Q.IQ3_XXS, [256, 16], blocks.reshape(-1)
+    blocks = np.random.default_rng(8).integers(0, 256, (16, 8, 17), dtype=np.uint8)
+    blocks[:, :, 0] = 120  # the shared exponent: 2**-7 per block
+    name, tensor_type, shape, data = "mx", Q.MXFP4, [256, 16], blocks.reshape(-1)
 
 
 def test_a_type_without_integer_kernel_runs_as_float32_and_says_so(caplog):
-    """IQ3_XXS (no integer kernel): gguf's own float32 weights, and one warning naming the type."""
+    """MXFP4 (no integer kernel): gguf's own float32 weights, and one warning naming the type."""
     caplog.set_level("WARNING", logger="engine.kernels.linear")
-    linear_module._fallbacks_said.discard(Q.IQ3_XXS)  # said once per process: this test wants to see it
-    w = pack_gguf_tensor(IQ3, "int8")
+    linear_module._fallbacks_said.discard(Q.MXFP4)  # said once per process: this test wants to see it
+    w = pack_gguf_tensor(MX, "int8")
     assert not isinstance(w, IntWeight)
     x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
     out = run(x, w)
-    want = x.astype(np.float64) @ dequantized(IQ3).astype(np.float64).T
+    want = x.astype(np.float64) @ dequantized(MX).astype(np.float64).T
     assert np.abs(out - want).max() / np.abs(want).max() <= 1e-5
-    said = [r.getMessage() for r in caplog.records if "IQ3_XXS" in r.getMessage()]
-    assert len(said) == 1 and "float32" in said[0]
-    pack_gguf_tensor(IQ3, "int8")  # a second tensor of the type: no second warning
-    assert sum("IQ3_XXS" in r.getMessage() for r in caplog.records) == 1
+    said = [r.getMessage() for r in caplog.records if "MXFP4" in r.getMessage()]
+    assert len(said) == 1 and "float32" in said[0] and "7.5x" in said[0]
+    pack_gguf_tensor(MX, "int8")  # a second tensor of the type: no second warning
+    assert sum("MXFP4" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_rows_stacked_with_a_float_only_type_name_that_type(tensors, caplog):
-    """q|k|v-style rows of Q2_K and IQ3_XXS: the stack runs as float32 (gguf's weights) and the warning names
-    IQ3_XXS, not the float32 stack."""
+    """q|k|v-style rows of Q2_K and MXFP4: the stack runs as float32 (gguf's weights) and the warning names
+    MXFP4, not the float32 stack."""
     caplog.set_level("WARNING", logger="engine.kernels.linear")
-    linear_module._fallbacks_said.discard(Q.IQ3_XXS)
-    parts = [tensors["q2_k"], IQ3]
+    linear_module._fallbacks_said.discard(Q.MXFP4)
+    parts = [tensors["q2_k"], MX]
     w = pack_gguf_rows(parts, "int8")
     assert not isinstance(w, (IntWeight, WeightParts))
     x = np.random.default_rng(10).standard_normal((4, 256)).astype(np.float32)
@@ -295,7 +303,7 @@ def test_rows_stacked_with_a_float_only_type_name_that_type(tensors, caplog):
     out = run(x, w)
     assert np.abs(out - want).max() / np.abs(want).max() <= 1e-5
     said = [r.getMessage() for r in caplog.records if "no integer kernel" in r.getMessage()]
-    assert len(said) == 1 and "IQ3_XXS" in said[0]
+    assert len(said) == 1 and "MXFP4" in said[0]
 
 
 def test_unknown_numerics_is_a_clear_error(tensors):

@@ -27,9 +27,10 @@ from engine.kernels.simd import PATHS, specialize, specialize_family, store_firs
 
 # format -> the prefix of its int_tiles functions (a block's update, and the prefetch of its weights)
 BLOCKS = {"q4_0": "legacy", "q4_1": "legacy", "q5_0": "legacy", "q5_1": "legacy", "q8_0": "q8_0", "q4_k": "kquant",
-          "q5_k": "kquant", "q6_k": "k16", "q3_k": "k16", "q2_k": "q2_k", "iq4_nl": "iq4",
-          "iq4_xs": "iq4"}
-_SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "_crumb_half", "_per_16_at", "tile", "pair")
+          "q5_k": "kquant", "q6_k": "k16", "q3_k": "k16", "q2_k": "q2_k", "iq4_nl": "lut",
+          "lut32": "lut", "lut16": "lut"}
+_SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "_crumb_half", "_per_16_at", "_lut_dots", "tile",
+           "pair")
 _kernels: dict = {}
 EIGHT_TOKEN_PATHS = ("avx512",)  # 32 vector registers of 16 lanes hold a tile of 8 tokens
 PAIR_PATHS = ("avx512", "vnni", "avx2")  # paths that run a last 5 or 6 tokens as a pair of tiles
@@ -151,7 +152,7 @@ def _next_pass(left, room, eight, pairs):
 def _traits(fmt: str) -> dict:
     """int_tiles' per-format constants."""
     return {"HIGH_BIT": fmt in ("q5_0", "q5_1", "q5_k", "q3_k"), "OFFSET": fmt in ("q4_0", "q5_0"),
-            "K16_OFFSET": 4 if fmt == "q3_k" else 32, "IQ4_XS": fmt == "iq4_xs"}
+            "K16_OFFSET": 4 if fmt == "q3_k" else 32, "LUT_SCALES": {"lut32": 32, "lut16": 16}.get(fmt, 0)}
 
 
 def kernel(fmt: str, path: str):

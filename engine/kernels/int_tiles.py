@@ -13,10 +13,11 @@ with every product and sum rounded to float32 (nothing fused) and a fixed operat
   q4_1, q5_1    acc = (acc + (d * xd) * float(isum)) + m * xm
   q8_0          acc = acc + (d * xd) * float(isum)
   iq4_nl        acc = acc + (d * xd) * float(isum)
-  iq4_xs        acc = acc + ((d * sc) * xd) * float(isum)
+  lut32         acc = acc + ((d * sc) * xd) * float(isum)
   q4_k, q5_k    acc = (acc + ((d * sc) * xd) * float(isum)) - (dmin * mn) * xm
   q6_k, q3_k    per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h - 32|4 * sum_h(xq))
   q2_k          per half h: acc = (acc + ((d * sc_h) * xd) * float(isum_h)) - ((dmin * m_h) * xd) * float(sum_h(xq))
+  lut16         per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h)
 so a row's result depends on nothing but its own activations: not on T, the tile, or the path.
 
 Each block also asks for the weight lines AHEAD blocks further on (software prefetch): at T = 1 the
@@ -38,6 +39,7 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
     i32_zero,
     prefetch,
     row_f16,
+    row_f32,
     row_hi4,
     row_i8,
     row_lo4,
@@ -54,7 +56,7 @@ AHEAD = 16  # blocks: prefetch the weights this far ahead in the strip-major str
 # as constants, so each format's tile keeps only its own branches and registers):
 HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit (q3_k: its third)
 OFFSET = False  # q4_0 / q5_0: w = d * (q - 8 | 16), no minimum
-IQ4_XS = False  # iq4_xs: d per super-block and an int8 scale per block (iq4_nl: d per block only)
+LUT_SCALES = 0  # table formats: 0 = d per block (iq4_nl), 32 / 16 = d per super-block and sc per 32 / 16 weights
 K16_OFFSET = 32  # q6_k 32, q3_k 4: w = (d * sc) * (q - K16_OFFSET)
 
 
@@ -157,34 +159,44 @@ def q8_0_block(w, x, s, b, t0, tt, f):
     return f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
 
 
-def iq4_ahead(w, sb):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b); iq4_xs's d is per super-block (not asked)."""
-    qs, d, sc = w
+def lut_ahead(w, sb):
+    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b); a d per super-block is not asked."""
+    qs, d, sc, _ = w
     _ask_ahead(qs, sb, 256)
-    _ask_ahead(d, sb, 0 if IQ4_XS else 16)
-    _ask_ahead(sc, sb, 16 if IQ4_XS else 0)
+    _ask_ahead(d, sb, 16 if LUT_SCALES == 0 else 0)
+    _ask_ahead(sc, sb, 0 if LUT_SCALES == 0 else 16 * 32 // LUT_SCALES)
 
 
-def iq4_block(w, x, s, b, t0, tt, f):
-    """iq4_nl / iq4_xs: w = (qs: 4-bit indices into IQ4_NL's table, laid out as q4_0's nibbles; d fp16, sc int8):
-    iq4_nl: d per block, sc unused; iq4_xs (IQ4_XS): d per super-block, sc = its 6-bit block scale - 32."""
-    qs, d, sc = w
-    xq, xd, xm, xs = x
-    k = xq.shape[1]
-    nb = k // 32
-    wi, xi = (s * nb + b) * 256, t0 * k + b * 32
-    isum = i32_zero(tt)
+def _lut_dots(isum, qs, lut, xq, wi, hi, xi, k, tt):
+    """isum + the dot_s8 sums of a block's low (hi=0) or high (hi=1) 16 weights, their nibbles looked up in lut."""
     for g in range(4):
-        v = wbytes(qs, wi + 64 * g)
-        isum = dot_s8(isum, iq4_values(bits_at(v, 0, 15)), xbcast(xq, xi + 4 * g, k, tt))  # noqa: F821
-        isum = dot_s8(isum, iq4_values(bits_at(v, 4, 15)), xbcast(xq, xi + 16 + 4 * g, k, tt))  # noqa: F821
-    li, bi = (s * nb + b) * 16, t0 * nb + b
+        v = lut_values(lut, bits_at(wbytes(qs, wi + 64 * g), 4 * hi, 15))  # noqa: F821
+        isum = dot_s8(isum, v, xbcast(xq, xi + 16 * hi + 4 * g, k, tt))  # noqa: F821
+    return isum
+
+
+def lut_block(w, x, s, b, t0, tt, f):
+    """Table formats: w = (qs: 4-bit indices into `table` (16 int8 values, 4 times), in q4_0's nibble layout;
+    d; sc int8; table). LUT_SCALES 0 (iq4_nl): d fp16 per block, no sc; 32 or 16: d float32 per super-block
+    and sc per 32 or per 16 weights (w = (d * sc) * table[q])."""
+    qs, d, sc, table = w
+    xq, xs = x[0], x[3]
+    k, nb, si, bi, dx = _per_16_at(x, s, b, t0, tt)
+    wi, xi, lut = (s * nb + b) * 256, t0 * k + b * 32, wbytes(table, 0)
+    if LUT_SCALES == 16:
+        for h in range(2):
+            isum = _lut_dots(i32_zero(tt), qs, lut, xq, wi, h, xi, k, tt)
+            isum = dot_s8_done(isum, tok_i32(xs, 2 * bi + h, 2 * nb, tt))  # noqa: F821
+            scale = f32_mul(row_f32(d, si), row_i8(sc, (s * 2 * nb + 2 * b + h) * 16))  # exact: 11 x 6 significant bits
+            f = f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
+        return f
+    isum = _lut_dots(_lut_dots(i32_zero(tt), qs, lut, xq, wi, 0, xi, k, tt), qs, lut, xq, wi, 1, xi, k, tt)
     isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * bi, 2 * nb, tt), tok_i32(xs, 2 * bi + 1, 2 * nb, tt)))  # noqa: F821
-    if IQ4_XS:
-        scale = f32_mul(row_f16(d, (s * (nb // 8) + b // 8) * 16), row_i8(sc, li))  # exact: 11 x 6 significant bits
+    if LUT_SCALES == 32:
+        scale = f32_mul(row_f32(d, si), row_i8(sc, (s * nb + b) * 16))  # exact: 11 x 6 significant bits
     else:
-        scale = row_f16(d, li)
-    return f32_add(f, f32_mul(f32_mul(scale, tok_f32(xd, bi, nb, tt)), f32_from_i32(isum)))
+        scale = row_f16(d, (s * nb + b) * 16)
+    return f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
 
 
 def kquant_ahead(w, sb):
@@ -236,8 +248,8 @@ def _crumb_half(qc, qh, xq, wi, hi, xi, k, tt):
 
 
 def _per_16_at(x, s, b, t0, tt):
-    """For the formats with a scale per 16 weights: (k, blocks a row, the super-block's lane row si, the
-    tokens' block xi, their activation scales dx)."""
+    """For the formats with a scale per 16 weights or a d per super-block: (k, blocks a row, the super-block's
+    lane row si, the tokens' block xi, their activation scales dx)."""
     nb = x[0].shape[1] // 32
     xi = t0 * nb + b
     return x[0].shape[1], nb, (s * (nb // 8) + b // 8) * 16, xi, tok_f32(x[1], xi, nb, tt)

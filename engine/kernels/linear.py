@@ -1,8 +1,9 @@
 """Weight products y = x @ W.T for small token counts, bit-invariant across T and batch rows.
 
 Two numerics, chosen when a weight is packed:
-  int8   GGUF integer formats (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS) stay in their blocks and multiply
-         int8-quantized activations with exact integer sums (int_linear); other types as exact.
+  int8   GGUF integer formats (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ1_S ... IQ4_XS, TQ1_0, TQ2_0) stay in their blocks
+         (the i-quants as indices into a table of their values, int_pack) and multiply int8-quantized
+         activations with exact integer sums (int_linear); other types as exact.
   exact  strict float32: strips of 16 output rows stored k-major (see linear_jit); Q4_1 and Q8_0
          keep their exact quants and scales, every other type is dequantized to float32.
 In both, row t of `linear`'s output depends only on x[t] and W, never on T, on which kernel the

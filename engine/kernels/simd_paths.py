@@ -109,25 +109,22 @@ def _add_s8(path, builder, acc, w, x):
     return builder.add(acc, _dot4_generic(builder, w, x, signed_w=True))
 
 
-IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
-
-
-def _iq4_lookup(path, builder, v):
-    """[64 x i8] nibbles (0..15) -> IQ4_NL's table values: vpshufb per 16-byte lane on the x86 paths, one
-    element at a time on the portable one (the same values either way)."""
+def _lut_lookup(path, builder, table, v):
+    """[64 x i8] indices (0..15) -> table's values: `table` is [64 x i8], its 16 values repeated in each
+    16-byte lane; vpshufb per lane on the x86 paths, one element at a time on the portable one (the same
+    values either way)."""
     if path == "portable":
-        table, out = ir.Constant(ir.VectorType(_I8, 16), IQ4_NL_VALUES), ir.Constant(v.type, ir.Undefined)
+        out = ir.Constant(v.type, ir.Undefined)
         for i in range(v.type.count):
             at = ir.Constant(_I32, i)
             out = builder.insert_element(out, builder.extract_element(table, builder.extract_element(v, at)), at)
         return out
     if path == "avx512":
         _wide_registers(builder)
-        table = ir.Constant(v.type, IQ4_NL_VALUES * 4)
         return _call(builder, "llvm.x86.avx512.pshuf.b.512", v.type, [table, v])
     half = ir.VectorType(_I8, 32)
-    table = ir.Constant(half, IQ4_NL_VALUES * 2)
-    return _concat(builder, [_call(builder, "llvm.x86.avx2.pshuf.b", half, [table, h]) for h in _split(builder, v, 2)])
+    return _concat(builder, [_call(builder, "llvm.x86.avx2.pshuf.b", half, [t, h])
+                             for t, h in zip(_split(builder, table, 2), _split(builder, v, 2))])
 
 
 def _per_token_dot(add_one, path: str, per_token: int, doc: str):
@@ -186,12 +183,13 @@ def _make_path_ops(path: str) -> dict:
         return acc(acc, xsum), codegen
 
     @_intrinsic
-    def iq4_values(typingctx, v):
-        """IQ4_NL's table value (signed, for dot_s8) of each nibble of v (U8x64, each byte 0..15)."""
-        return v(v), lambda context, builder, sig, args: _iq4_lookup(path, builder, args[0])
+    def lut_values(typingctx, table, v):
+        """table[i] (signed, for dot_s8) for each byte i of v (U8x64, each 0..15); table: U8x64, a format's 16
+        values in each 16-byte lane (int_pack)."""
+        return v(table, v), lambda context, builder, sig, args: _lut_lookup(path, builder, args[0], args[1])
 
     return {"acc_zero": acc_zero, "acc_add": acc_add, "acc_i32": acc_i32, "dot_s8": dot_s8, "dot_s8_done": dot_s8_done,
-            "iq4_values": iq4_values}
+            "lut_values": lut_values}
 
 
 PATH_OPS = {path: _make_path_ops(path) for path in PATHS}
