@@ -28,7 +28,7 @@ from engine.kernels.simd import PATHS, specialize, specialize_family, store_firs
 # format -> the prefix of its int_tiles functions (a block's update, and the prefetch of its weights)
 BLOCKS = {"q4_0": "legacy", "q4_1": "legacy", "q5_0": "legacy", "q5_1": "legacy", "q8_0": "q8_0", "q4_k": "kquant",
           "q5_k": "kquant", "q6_k": "k16", "q3_k": "k16", "q2_k": "q2_k", "iq4_nl": "lut",
-          "lut32": "lut", "lut16": "lut"}
+          "lut32": "lut", "lut32_3": "lut", "lut16_3": "lut"}
 _SHARED = ("_ask_ahead", "_nibble_sum", "_block_isum", "_q6_half", "_crumb_half", "_per_16_at", "_lut_dots", "tile",
            "pair")
 _kernels: dict = {}
@@ -152,7 +152,8 @@ def _next_pass(left, room, eight, pairs):
 def _traits(fmt: str) -> dict:
     """int_tiles' per-format constants."""
     return {"HIGH_BIT": fmt in ("q5_0", "q5_1", "q5_k", "q3_k"), "OFFSET": fmt in ("q4_0", "q5_0"),
-            "K16_OFFSET": 4 if fmt == "q3_k" else 32, "LUT_SCALES": {"lut32": 32, "lut16": 16}.get(fmt, 0)}
+            "K16_OFFSET": 4 if fmt == "q3_k" else 32, "LUT_SCALES": {"lut32": 32, "lut32_3": 32, "lut16_3": 16}.get(fmt, 0),
+            "LUT_BITS": 3 if fmt.endswith("_3") else 4}
 
 
 def kernel(fmt: str, path: str):

@@ -3,14 +3,16 @@
 Their weights are grid entries (with signs, and for IQ1 a +-1/8 shift) times a scale per 32 or 16 weights
 and a d per super-block. At unit scales a tensor's weights take at most 16 distinct integer values (IQ4:
 IQ4_NL's 16, IQ3_XXS +-4..62 and IQ3_S +-1..15 (16), IQ2 +-8, 25, 43 and IQ1 +-1, 7, 9 (6), TQ -1, 0, 1), so
-each weight is kept as its index into that table, in q4_0's nibble layout; the tiles look the values up
+each weight is kept as its index into that table (4 bits, in q4_0's nibble layout; 3 bits where the table has
+at most 8 values (IQ2, IQ1, TQ), in Q3_K's planes: 2 bits + a third); the tiles look the values up
 (simd_paths.lut_values). The values come from gguf-py's own dequantizer run once at load on the blocks
 with d = 1 and unit scales: grids and signs are decoded by gguf, not here.
 
   iq4_nl   w = d * table[q], d fp16 per block (as in the file)
   lut32    w = (d * sc) * table[q], d float32 per super-block (the file's fp16 d times a power of 2: exact),
-  lut16    sc int8 per 32 / 16 weights: IQ4_XS ls - 32; IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S (4-bit ls), IQ1_S,
-           IQ1_M (3-bit ls) 2 * ls + 1; TQ1_0, TQ2_0 1. lut16: IQ2_XS, IQ2_S, IQ1_M.
+           sc int8 per 32 weights (lut16: per 16): IQ4_XS ls - 32; IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S (4-bit
+           ls), IQ1_S, IQ1_M (3-bit ls) 2 * ls + 1; TQ1_0, TQ2_0 1. IQ4_XS, IQ3_XXS, IQ3_S: lut32; IQ2_XXS, IQ1_S,
+           TQ1_0, TQ2_0: lut32_3 (3-bit indices); IQ2_XS, IQ2_S, IQ1_M: lut16_3.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from engine.kernels.int_layout import NO_BITS, ONE_F16, QK, QK_K, f16_field, lanes, nibbles
+from engine.kernels.int_layout import NO_BITS, ONE_F16, QK, QK_K, f16_field, high_bits, high_pairs, lanes, nibbles
 
 Q = gguf.GGMLQuantizationType
 
@@ -108,27 +110,28 @@ LUTS = {
 }
 
 
-def _table(values: np.ndarray, kind) -> tuple:
+def _table(values: np.ndarray, kind, bits: int) -> tuple:
     """(indices [n, k] uint8, the table as 64 bytes: its 16 int8 values in each 16-byte lane)."""
     table = np.unique(values)
-    if len(table) > 16 or table.min() < -127 or table.max() > 127 or not np.array_equal(table, np.rint(table)):
-        raise ValueError(f"{kind.name}: weights do not fit a table of 16 int8 values")
+    if len(table) > 2**bits or table.min() < -127 or table.max() > 127 or not np.array_equal(table, np.rint(table)):
+        raise ValueError(f"{kind.name}: weights do not fit a table of {2**bits} int8 values")
     q = np.searchsorted(table, values).astype(np.uint8)
     lane = np.full(16, table[-1], np.float64)  # unused entries repeat the last value
     lane[: len(table)] = table
     return q, np.tile(lane.astype(np.int8), 4).view(np.uint8)
 
 
-def pack_lut(kind, blocks: np.ndarray, n: int) -> tuple:
+def pack_lut(kind, blocks: np.ndarray, n: int, bits: int) -> tuple:
     """IQ4_NL (d fp16 per block), the other i-quants and the ternary types (d float32 per super-block, sc int8)
-    as (indices as nibbles, d, sc, table)."""
+    as (lo, hi, d, sc, table): 4-bit indices as nibbles (hi unused) or 3-bit ones as crumbs and third bits."""
     spec = LUTS.get(kind)
     unit = blocks.copy()
     for edit in spec.unit if spec else (_D1,):
         edit(unit)
     values = gguf.quants.dequantize(unit.reshape(n, -1), kind).astype(np.float64) / (spec.p if spec else 1.0)
-    q, table = _table(values, kind)
+    q, table = _table(values, kind, bits)
+    indices = (nibbles(q, n), NO_BITS) if bits == 4 else (high_pairs(q, n, 0), high_bits(q, n, 2))
     if spec is None:  # IQ4_NL: d per block of 32
-        return nibbles(q, n), lanes(f16_field(blocks, 0), n), NO_BITS, table
+        return indices + (lanes(f16_field(blocks, 0), n), NO_BITS, table)
     d = (spec.d(blocks).view(np.float16).astype(np.float32) * np.float32(spec.p))  # exact: p is a power of 2
-    return nibbles(q, n), lanes(d, n), lanes(spec.scales(blocks).astype(np.int8), n), table
+    return indices + (lanes(d, n), lanes(spec.scales(blocks).astype(np.int8), n), table)

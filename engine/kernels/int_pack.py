@@ -19,7 +19,7 @@ What each format means (q: the unsigned quant, per row r and block; D, M exact i
   q6_k          w = (d * sc16) * (q - 32), a scale per 16 weights (int8)
   q3_k          w = (d * sc16) * (q - 4), sc16 = the 6-bit scale - 32 (int8)
   q2_k          w = (d * sc16) * q - (dmin * m16), sc16 | m16 << 4 one byte per 16 weights, as in the file
-  iq4_nl, lut32, lut16   w = (d * sc) * table[q] (int_lut)
+  iq4_nl, lut32, lut32_3, lut16_3   w = (d * sc) * table[q] (int_lut)
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ FORMATS = {
     Q.Q8_0: ("q8_0", 34, QK), Q.Q4_K: ("q4_k", 144, QK_K), Q.Q5_K: ("q5_k", 176, QK_K), Q.Q6_K: ("q6_k", 210, QK_K),
     Q.Q3_K: ("q3_k", 110, QK_K), Q.Q2_K: ("q2_k", 84, QK_K), Q.IQ4_NL: ("iq4_nl", 18, QK),
     Q.IQ4_XS: ("lut32", 136, QK_K), Q.IQ3_XXS: ("lut32", 98, QK_K), Q.IQ3_S: ("lut32", 110, QK_K),
-    Q.IQ2_XXS: ("lut32", 66, QK_K), Q.IQ2_XS: ("lut16", 74, QK_K), Q.IQ2_S: ("lut16", 82, QK_K),
-    Q.IQ1_S: ("lut32", 50, QK_K), Q.IQ1_M: ("lut16", 56, QK_K), Q.TQ1_0: ("lut32", 54, QK_K), Q.TQ2_0: ("lut32", 66, QK_K),
+    Q.IQ2_XXS: ("lut32_3", 66, QK_K), Q.IQ2_XS: ("lut16_3", 74, QK_K), Q.IQ2_S: ("lut16_3", 82, QK_K),
+    Q.IQ1_S: ("lut32_3", 50, QK_K), Q.IQ1_M: ("lut16_3", 56, QK_K), Q.TQ1_0: ("lut32_3", 54, QK_K),
+    Q.TQ2_0: ("lut32_3", 66, QK_K),
 }
 
 
@@ -107,8 +108,8 @@ _OFFSETS = {"q4_0": np.array([8], np.uint16), "q5_0": np.array([16], np.uint16)}
 
 def _pack_blocks(fmt: str, kind, blocks: np.ndarray, n: int) -> tuple:
     """The arrays in the order the format's tile reads them (int_tiles), from blocks [n, nblocks, bytes]."""
-    if fmt in ("iq4_nl", "lut32", "lut16"):
-        return pack_lut(kind, blocks, n)
+    if fmt in ("iq4_nl", "lut32", "lut32_3", "lut16_3"):
+        return pack_lut(kind, blocks, n, 3 if fmt.endswith("_3") else 4)
     if fmt in ("q3_k", "q2_k"):
         return _pack_low_bits(kind, blocks, n)
     if fmt == "q8_0":

@@ -13,11 +13,11 @@ with every product and sum rounded to float32 (nothing fused) and a fixed operat
   q4_1, q5_1    acc = (acc + (d * xd) * float(isum)) + m * xm
   q8_0          acc = acc + (d * xd) * float(isum)
   iq4_nl        acc = acc + (d * xd) * float(isum)
-  lut32         acc = acc + ((d * sc) * xd) * float(isum)
+  lut32(_3)     acc = acc + ((d * sc) * xd) * float(isum)
   q4_k, q5_k    acc = (acc + ((d * sc) * xd) * float(isum)) - (dmin * mn) * xm
   q6_k, q3_k    per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h - 32|4 * sum_h(xq))
   q2_k          per half h: acc = (acc + ((d * sc_h) * xd) * float(isum_h)) - ((dmin * m_h) * xd) * float(sum_h(xq))
-  lut16         per half h: acc = acc + ((d * sc_h) * xd) * float(isum_h)
+  lut16_3       acc = acc + (d * xd) * float(sc_0 * isum_0 + sc_1 * isum_1), per half h (exact integers)
 so a row's result depends on nothing but its own activations: not on T, the tile, or the path.
 
 Each block also asks for the weight lines AHEAD blocks further on (software prefetch): at T = 1 the
@@ -42,6 +42,7 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
     row_f32,
     row_hi4,
     row_i8,
+    row_i8_i32,
     row_lo4,
     row_u8,
     tok_f32,
@@ -57,6 +58,7 @@ AHEAD = 16  # blocks: prefetch the weights this far ahead in the strip-major str
 HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit (q3_k: its third)
 OFFSET = False  # q4_0 / q5_0: w = d * (q - 8 | 16), no minimum
 LUT_SCALES = 0  # table formats: 0 = d per block (iq4_nl), 32 / 16 = d per super-block and sc per 32 / 16 weights
+LUT_BITS = 4  # table formats: 4-bit indices, or 3 (tables of up to 8 values: the IQ2, IQ1 and TQ types)
 K16_OFFSET = 32  # q6_k 32, q3_k 4: w = (d * sc) * (q - K16_OFFSET)
 
 
@@ -161,36 +163,42 @@ def q8_0_block(w, x, s, b, t0, tt, f):
 
 def lut_ahead(w, sb):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b); a d per super-block is not asked."""
-    qs, d, sc, _ = w
-    _ask_ahead(qs, sb, 256)
+    lo, hi, d, sc, _ = w
+    _ask_ahead(lo, sb, 256 if LUT_BITS == 4 else 128)
+    _ask_ahead(hi, sb, 0 if LUT_BITS == 4 else 64)
     _ask_ahead(d, sb, 16 if LUT_SCALES == 0 else 0)
     _ask_ahead(sc, sb, 0 if LUT_SCALES == 0 else 16 * 32 // LUT_SCALES)
 
 
-def _lut_dots(isum, qs, lut, xq, wi, hi, xi, k, tt):
-    """isum + the dot_s8 sums of a block's low (hi=0) or high (hi=1) 16 weights, their nibbles looked up in lut."""
+def _lut_dots(isum, lo, hi, lut, xq, wi, half, xi, k, tt):
+    """isum + the dot_s8 sums of a block's low (half=0) or high (half=1) 16 weights, their table indices looked up
+    in lut: 4-bit indices (nibbles) or, with LUT_BITS 3, 2 bits (crumbs) and a third bit in hi."""
+    crumbs = wbytes(lo, wi // 2 + 64 * half)  # (unused with 4-bit indices: the load is dropped)
     for g in range(4):
-        v = lut_values(lut, bits_at(wbytes(qs, wi + 64 * g), 4 * hi, 15))  # noqa: F821
-        isum = dot_s8(isum, v, xbcast(xq, xi + 16 * hi + 4 * g, k, tt))  # noqa: F821
+        if LUT_BITS == 4:
+            v = bits_at(wbytes(lo, wi + 64 * g), 4 * half, 15)
+        else:
+            v = bits_put(bits_at(crumbs, 2 * g, 3), bits_at(wbytes(hi, wi // 4), 4 * half + g, 1), 2)
+        isum = dot_s8(isum, lut_values(lut, v), xbcast(xq, xi + 16 * half + 4 * g, k, tt))  # noqa: F821
     return isum
 
 
 def lut_block(w, x, s, b, t0, tt, f):
-    """Table formats: w = (qs: 4-bit indices into `table` (16 int8 values, 4 times), in q4_0's nibble layout;
-    d; sc int8; table). LUT_SCALES 0 (iq4_nl): d fp16 per block, no sc; 32 or 16: d float32 per super-block
-    and sc per 32 or per 16 weights (w = (d * sc) * table[q])."""
-    qs, d, sc, table = w
+    """Table formats: w = (lo, hi: table indices, as q4_0's nibbles (hi unused) or, with LUT_BITS 3, as q3_k's
+    crumbs and third bits; d; sc int8; table: 16 int8 values, 4 times). LUT_SCALES 0 (iq4_nl): d fp16 per block,
+    no sc; 32 or 16: d float32 per super-block and sc per 32 or per 16 weights (w = (d * sc) * table[q])."""
+    lo, hi, d, sc, table = w
     xq, xs = x[0], x[3]
     k, nb, si, bi, dx = _per_16_at(x, s, b, t0, tt)
     wi, xi, lut = (s * nb + b) * 256, t0 * k + b * 32, wbytes(table, 0)
-    if LUT_SCALES == 16:
+    if LUT_SCALES == 16:  # the halves' sums times their scales, added in integers: |sum| < 2 x 16 x 127 x 43 x 31 < 2**24
+        isum = i32_zero(tt)
         for h in range(2):
-            isum = _lut_dots(i32_zero(tt), qs, lut, xq, wi, h, xi, k, tt)
-            isum = dot_s8_done(isum, tok_i32(xs, 2 * bi + h, 2 * nb, tt))  # noqa: F821
-            scale = f32_mul(row_f32(d, si), row_i8(sc, (s * 2 * nb + 2 * b + h) * 16))  # exact: 11 x 6 significant bits
-            f = f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
-        return f
-    isum = _lut_dots(_lut_dots(i32_zero(tt), qs, lut, xq, wi, 0, xi, k, tt), qs, lut, xq, wi, 1, xi, k, tt)
+            half = _lut_dots(i32_zero(tt), lo, hi, lut, xq, wi, h, xi, k, tt)
+            half = dot_s8_done(half, tok_i32(xs, 2 * bi + h, 2 * nb, tt))  # noqa: F821
+            isum = i32_add(isum, i32_mul(half, row_i8_i32(sc, (s * 2 * nb + 2 * b + h) * 16)))
+        return f32_add(f, f32_mul(f32_mul(row_f32(d, si), dx), f32_from_i32(isum)))
+    isum = _lut_dots(_lut_dots(i32_zero(tt), lo, hi, lut, xq, wi, 0, xi, k, tt), lo, hi, lut, xq, wi, 1, xi, k, tt)
     isum = dot_s8_done(isum, i32_add(tok_i32(xs, 2 * bi, 2 * nb, tt), tok_i32(xs, 2 * bi + 1, 2 * nb, tt)))  # noqa: F821
     if LUT_SCALES == 32:
         scale = f32_mul(row_f32(d, si), row_i8(sc, (s * nb + b) * 16))  # exact: 11 x 6 significant bits
