@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
-from engine.kernels import int_linear
+from engine.kernels import int_linear, int_lut
 from engine.kernels import linear as linear_module
 from engine.kernels.int_pack import FORMATS, IntWeight
 from engine.kernels.linear import WeightParts, linear, pack_gguf_rows, pack_gguf_tensor
@@ -306,6 +306,16 @@ def test_rows_stacked_with_a_float_only_type_name_that_type(tensors, caplog):
     assert len(said) == 1 and "MXFP4" in said[0]
 
 
+def test_a_table_too_small_for_the_values_is_a_clear_error(tensors):
+    """IQ3_XXS's 16 values do not fit 3-bit indices: the packer names the type instead of losing weights."""
+    raw = np.asarray(tensors["iq3_xxs"].data)
+    qtype, n, k = SPECS["iq3_xxs"]
+    blocks = raw.reshape(n, k // 256, FORMATS[qtype][1])
+    with pytest.raises(ValueError, match="IQ3_XXS.*16 values"):
+        int_lut.pack_lut(qtype, blocks, n, 3)
+    assert len(int_lut.pack_lut(qtype, blocks, n, 4)) == 5
+
+
 def test_unknown_numerics_is_a_clear_error(tensors):
     with pytest.raises(ValueError, match="numerics"):
         pack_gguf_tensor(tensors["q4_1"], "int4")
@@ -314,7 +324,7 @@ def test_unknown_numerics_is_a_clear_error(tensors):
 VNNI_PROBE = """
 import numpy as np, gguf
 import engine
-from engine.kernels import int_linear
+from engine.kernels import int_linear, int_lut
 from engine.kernels.int_pack import pack_int
 from engine.kernels.weights import RawTensor
 w = pack_int(RawTensor("w", gguf.GGMLQuantizationType.{qtype}, (256, 16), {data}))

@@ -111,14 +111,19 @@ LUTS = {
 
 
 def _table(values: np.ndarray, kind, bits: int) -> tuple:
-    """(indices [n, k] uint8, the table as 64 bytes: its 16 int8 values in each 16-byte lane)."""
-    table = np.unique(values)
-    if len(table) > 2**bits or table.min() < -127 or table.max() > 127 or not np.array_equal(table, np.rint(table)):
-        raise ValueError(f"{kind.name}: weights do not fit a table of {2**bits} int8 values")
-    q = np.searchsorted(table, values).astype(np.uint8)
-    lane = np.full(16, table[-1], np.float64)  # unused entries repeat the last value
+    """values [n, k] float32 (integers) -> (indices [n, k] uint8, the table as 64 bytes: its 16 int8 values in
+    each 16-byte lane); a table by counting, not sorting (a 7B model has 7e9 weights)."""
+    ints = values.astype(np.int16)
+    if not np.array_equal(ints, values) or np.abs(ints).max(initial=0) > 127:
+        raise ValueError(f"{kind.name}: weights at unit scale are not integers of int8 range")
+    present = np.bincount((ints + 128).ravel(), minlength=256) > 0  # [256]
+    table = np.flatnonzero(present) - 128
+    if len(table) > 2**bits:
+        raise ValueError(f"{kind.name}: weights take {len(table)} values, more than a table of {2**bits}")
+    index_of = (np.cumsum(present) - 1).astype(np.uint8)  # [256]: value + 128 -> its index in table
+    lane = np.full(16, table[-1], np.int8)  # unused entries repeat the last value
     lane[: len(table)] = table
-    return q, np.tile(lane.astype(np.int8), 4).view(np.uint8)
+    return index_of[ints + 128], np.tile(lane, 4).view(np.uint8)
 
 
 def pack_lut(kind, blocks: np.ndarray, n: int, bits: int) -> tuple:
@@ -128,7 +133,7 @@ def pack_lut(kind, blocks: np.ndarray, n: int, bits: int) -> tuple:
     unit = blocks.copy()
     for edit in spec.unit if spec else (_D1,):
         edit(unit)
-    values = gguf.quants.dequantize(unit.reshape(n, -1), kind).astype(np.float64) / (spec.p if spec else 1.0)
+    values = gguf.quants.dequantize(unit.reshape(n, -1), kind) * np.float32(1 / spec.p if spec else 1.0)  # exact
     q, table = _table(values, kind, bits)
     indices = (nibbles(q, n), NO_BITS) if bits == 4 else (high_pairs(q, n, 0), high_bits(q, n, 2))
     if spec is None:  # IQ4_NL: d per block of 32
