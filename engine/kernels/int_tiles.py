@@ -191,7 +191,7 @@ def lut_block(w, x, s, b, t0, tt, f):
     xq, xs = x[0], x[3]
     k, nb, si, bi, dx = _per_16_at(x, s, b, t0, tt)
     wi, xi, lut = (s * nb + b) * 256, t0 * k + b * 32, wbytes(table, 0)
-    if LUT_SCALES == 16:  # the halves' sums times their scales, added in integers: |sum| < 2 x 16 x 127 x 43 x 31 < 2**24
+    if LUT_SCALES == 16:  # the halves' sums times their scales, added as integers: < 2 x 16 x 127 x 43 x 31 < 2**24
         isum = i32_zero(tt)
         for h in range(2):
             half = _lut_dots(i32_zero(tt), lo, hi, lut, xq, wi, h, xi, k, tt)

@@ -105,6 +105,8 @@ def _row_loader(src_elem, convert, doc):
 row_f16 = _row_loader(ir.HalfType(), lambda b, v, t: b.fpext(v, t), "16 fp16 (uint16 array) as float32, exact")
 row_u8 = _row_loader(_I8, lambda b, v, t: b.uitofp(v, t), "16 uint8 as float32")
 row_i8 = _row_loader(_I8, lambda b, v, t: b.sitofp(v, t), "16 int8 as float32")
+
+
 @_intrinsic
 def row_i8_i32(typingctx, arr, idx):
     """16 int8 at arr[idx:] as int32 lanes."""

@@ -185,7 +185,7 @@ def _make_path_ops(path: str) -> dict:
     @_intrinsic
     def lut_values(typingctx, table, v):
         """table[i] (signed, for dot_s8) for each byte i of v (U8x64, each 0..15); table: U8x64, a format's 16
-        values in each 16-byte lane (int_pack)."""
+        values in each 16-byte lane (int_lut)."""
         return v(table, v), lambda context, builder, sig, args: _lut_lookup(path, builder, args[0], args[1])
 
     return {"acc_zero": acc_zero, "acc_add": acc_add, "acc_i32": acc_i32, "dot_s8": dot_s8, "dot_s8_done": dot_s8_done,

@@ -7,6 +7,9 @@ vectors. A mixture-of-experts layer holds (MoeWeights, None) in the FFN's two pl
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from engine.kernels import layer as layer_kernels
@@ -16,19 +19,23 @@ from engine.model.gguf_loader import GGUFModel, ModelConfig
 
 
 def load_layers(model: GGUFModel, cfg: ModelConfig, numerics: str) -> list[tuple]:
-    """Every layer's tuple (see the module docstring), for the first cfg.num_layers layers."""
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"blk.{i}."
-        layers.append((
-            model.dense(p + "attn_norm.weight"),
-            pack_gguf_rows([model.tensor(n) for n in model.stacked_names(i, "qkv")], numerics),
-            pack_gguf_tensor(model.tensor(p + "attn_output.weight"), numerics),
-            model.dense(p + "ffn_norm.weight"),
-            *ffn_weights(model, cfg, i, numerics),
-            layer_parts(model, cfg, p),
-        ))
-    return layers
+    """Every layer's tuple (see the module docstring), for the first cfg.num_layers layers: packed by a thread
+    per core, at most 4 (NumPy's array work, most of a repack, runs outside the GIL; 4 bounds the temporaries)."""
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda i: load_layer(model, cfg, numerics, i), range(cfg.num_layers)))
+
+
+def load_layer(model: GGUFModel, cfg: ModelConfig, numerics: str, i: int) -> tuple:
+    """Layer i's tuple (see the module docstring)."""
+    p = f"blk.{i}."
+    return (
+        model.dense(p + "attn_norm.weight"),
+        pack_gguf_rows([model.tensor(n) for n in model.stacked_names(i, "qkv")], numerics),
+        pack_gguf_tensor(model.tensor(p + "attn_output.weight"), numerics),
+        model.dense(p + "ffn_norm.weight"),
+        *ffn_weights(model, cfg, i, numerics),
+        layer_parts(model, cfg, p),
+    )
 
 
 def ffn_weights(model: GGUFModel, cfg: ModelConfig, i: int, numerics: str) -> tuple:
