@@ -1,4 +1,4 @@
-"""The i-quants (IQ1_S ... IQ4_XS) and the ternary TQ1_0 / TQ2_0 as 4-bit indices into a table of values.
+"""The i-quants (IQ1_S ... IQ4_XS) and the ternary TQ1_0 / TQ2_0 as 4- or 3-bit indices into a table of values.
 
 Their weights are grid entries (with signs, and for IQ1 a +-1/8 shift) times a scale per 32 or 16 weights
 and a d per super-block. At unit scales a tensor's weights take at most 16 distinct integer values (IQ4:
