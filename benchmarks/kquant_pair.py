@@ -1,11 +1,11 @@
-"""GGUF files of one random Llama model in Q4_1, Q4_K_M, IQ4_XS, IQ4_NL, Q3_K_M, Q2_K and IQ3_M (and in random
-blocks of IQ3_XXS and IQ2_XS), to time the K-quant and i-quant kernels against the legacy formats'.
+"""GGUF files of one random Llama model in Q4_1, Q4_K_M, IQ4_XS, IQ4_NL, Q3_K_M, Q2_K, IQ3_M, F16 and BF16 (and
+in random blocks of IQ3_XXS and IQ2_XS), to time the K-quant and i-quant kernels against the legacy formats'.
 
     python -m benchmarks.kquant_pair OUT_DIR
     speculant bench model --model OUT_DIR/random-q4_1.gguf --long-context 0
     speculant bench model --model OUT_DIR/random-q4_k_m.gguf --long-context 0
     speculant bench model --model OUT_DIR/random-iq4_xs.gguf --long-context 0   (and iq4_nl, q3_k_m, q2_k, iq3_m,
-                                                                               blocks-iq3_xxs, blocks-iq2_xs)
+                                                                               f16, bf16, blocks-iq3_xxs, blocks-iq2_xs)
 
 SmolLM2's width (576) is not a multiple of 256, so llama.cpp cannot store it in K-quants or i-quants. This
 model is the same size class with K-quant-friendly widths (hidden 768, FFN 2048, 12 layers,
@@ -25,7 +25,7 @@ SHAPE = dict(layers=12, hidden=768, inter=2048, heads=12, kv_heads=4)
 FTYPES = {"q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
           "iq4_xs": "LLAMA_FTYPE_MOSTLY_IQ4_XS", "iq4_nl": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
           "q3_k_m": "LLAMA_FTYPE_MOSTLY_Q3_K_M", "q2_k": "LLAMA_FTYPE_MOSTLY_Q2_K",
-          "iq3_m": "LLAMA_FTYPE_MOSTLY_IQ3_M"}
+          "iq3_m": "LLAMA_FTYPE_MOSTLY_IQ3_M", "bf16": "LLAMA_FTYPE_MOSTLY_BF16"}
 # types llama.cpp quantizes only with an importance matrix: files of random blocks (random-blocks-TYPE.gguf)
 RANDOM_BLOCKS = (gguf.GGMLQuantizationType.IQ3_XXS, gguf.GGMLQuantizationType.IQ2_XS)
 

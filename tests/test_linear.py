@@ -20,7 +20,8 @@ SPECS = {
     "bf16": (Q.BF16, 18, 40),
     "q5_0": (Q.Q5_0, 17, 64),
 }
-EXPECTED_KIND = {"q4_1": "q4_1", "q8_0": "q8_0"}  # everything else is dequantized to f32
+# F16 / BF16 keep their 2-byte values; everything else is dequantized to f32
+EXPECTED_KIND = {"q4_1": "q4_1", "q8_0": "q8_0", "f16": "f16", "bf16": "bf16"}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_matches_float64_reference(packed, name):
     np.testing.assert_allclose(out, x @ ref.T, rtol=0, atol=4 * w.k * np.finfo(np.float32).eps * scale.max())
 
 
-@pytest.mark.parametrize("name", ["q4_1", "q8_0", "f32"])
+@pytest.mark.parametrize("name", ["q4_1", "q8_0", "f32", "f16", "bf16"])
 def test_rows_are_bit_identical_whatever_the_batch(packed, name):
     """Row t depends only on x[t]: any T from 1 to 40, any position, any neighbours."""
     w, _ = packed[name]
@@ -101,28 +102,37 @@ def test_rows_are_bit_identical_whatever_the_batch(packed, name):
         np.testing.assert_array_equal(run(x, w), alone[picks], err_msg=f"T={num_tokens}")
 
 
-@pytest.mark.parametrize("name", ["q4_1", "q8_0", "f32"])
+@pytest.mark.parametrize("name", ["q4_1", "q8_0", "f32", "f16", "bf16"])
 def test_pair_and_tile_kernels_agree_bit_for_bit(packed, name):
     """linear() picks the small kernels (groups of 4 or 3 tokens, pairs, singles) below
     TILE_MIN_TOKENS and the 4-token tiles from there; both must agree at every T either side."""
     w, _ = packed[name]
     x = np.random.default_rng(3).standard_normal((9, w.k)).astype(np.float32)
-    small = {
-        "f32": linear_jit.f32_linear_small,
-        "q4_1": linear_quant.q4_1_linear_small,
-        "q8_0": linear_quant.q8_0_linear_small,
-    }[name]
+    floats = name in ("f32", "f16", "bf16")
+    small = linear_jit.f32_linear_small if floats else getattr(linear_quant, f"{name}_linear_small")
     scratch = np.empty((numba.config.NUMBA_NUM_THREADS, w.k, 16), np.float32)
     for num_tokens in range(1, 10):
         a = np.full((num_tokens, w.n), np.nan, np.float32)
         b = a.copy()
         small(x[:num_tokens], *w.arrays, a)
-        if name == "f32":
+        if floats:
             linear_jit.f32_linear_tiles(x[:num_tokens], *w.arrays, b)
         else:
             getattr(linear_quant, f"{name}_linear_scratch")(x[:num_tokens], *w.arrays, b, scratch)
         np.testing.assert_array_equal(a, b, err_msg=f"T={num_tokens}")
     assert TILE_MIN_TOKENS[name] <= 9
+
+
+@pytest.mark.parametrize("name", ["f16", "bf16"])
+def test_half_weights_give_the_bits_of_their_float32_values_at_half_the_bytes(packed, name):
+    """F16 / BF16 strips are widened as they are loaded: every T gives exactly what float32 strips of
+    the same values give, and a product streams 2 bytes a weight."""
+    w, ref = packed[name]
+    wide = pack_f32(ref)
+    assert w.nbytes * 2 == wide.nbytes
+    x = np.random.default_rng(6).standard_normal((9, w.k)).astype(np.float32)
+    for num_tokens in range(1, 10):
+        np.testing.assert_array_equal(run(x[:num_tokens], w), run(x[:num_tokens], wide), err_msg=f"T={num_tokens}")
 
 
 def test_thread_count_does_not_change_results(packed):

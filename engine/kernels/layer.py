@@ -88,14 +88,14 @@ def _exact_q8_0(x, w, out, rows):
 
 
 _INT_PRODUCTS = {1: _int_product1, 2: _int_product2, 3: _int_product3}
-_EXACT_PRODUCTS = {"f32": _exact_f32, "q4_1": _exact_q4_1, "q8_0": _exact_q8_0}
+_EXACT_PRODUCTS = {"f32": _exact_f32, "f16": _exact_f32, "bf16": _exact_f32, "q4_1": _exact_q4_1, "q8_0": _exact_q8_0}
 
 
 @functools.cache
 def product(key: tuple, path: str):
     """The compiled product for ("int8", fmt, ...) (one format per part) or ("exact", kind)."""
     if key[0] == "exact":
-        return specialize(_EXACT_PRODUCTS[key[1]], path, {}, tag="exact", parallel=False)
+        return specialize(_EXACT_PRODUCTS[key[1]], path, {}, tag=f"exact_{key[1]}", parallel=False)
     kernels = {f"_k{i}": int_linear.kernel(fmt, path) for i, fmt in enumerate(key[1:])}
     return specialize(_INT_PRODUCTS[len(key) - 1], path, kernels, tag="_".join(key[1:]), parallel=False)
 

@@ -5,7 +5,9 @@ Two numerics, chosen when a weight is packed:
          (the i-quants as indices into a table of their values, int_pack) and multiply int8-quantized
          activations with exact integer sums (int_linear); other types as exact.
   exact  strict float32: strips of 16 output rows stored k-major (see linear_jit); Q4_1 and Q8_0
-         keep their exact quants and scales, every other type is dequantized to float32.
+         keep their exact quants and scales, F16 and BF16 their 2-byte values (widened exactly as
+         they are loaded), every other type is dequantized to float32.
+F32, F16 and BF16 weights run as exact under both numerics (they have no integer blocks).
 In both, row t of `linear`'s output depends only on x[t] and W, never on T, on which kernel the
 token count selects, or on the other rows of the batch: speculative verification of T draft
 tokens therefore reproduces plain T = 1 decoding bit for bit.
@@ -30,7 +32,10 @@ QK = 32  # weights per GGUF Q4_1 / Q8_0 block
 # From these token counts the 4-token tiles beat the small kernels: for f32 from 3 (pairs re-read
 # the strip); for quants from 7, where decoding each strip once into scratch beats decoding it in
 # registers once per group of 4 (measured with `speculant bench model` on the 2-core dev machine).
-TILE_MIN_TOKENS = {"f32": 3, "q4_1": 7, "q8_0": 7}
+TILE_MIN_TOKENS = {"f32": 3, "f16": 3, "bf16": 3, "q4_1": 7, "q8_0": 7}
+# float strip element types: the file's F16 / BF16 values as their bits (see linear_jit)
+FLOAT_KINDS = {"f32": np.float32, "f16": np.uint16, "bf16": np.int16}
+_HALF_TYPES = {gguf.GGMLQuantizationType.F16: "f16", gguf.GGMLQuantizationType.BF16: "bf16"}
 
 _Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
@@ -38,6 +43,8 @@ _scratch = threading.local()
 _F32 = np.dtype(np.float32)
 _SMALL = {
     "f32": linear_jit.f32_linear_small,
+    "f16": linear_jit.f32_linear_small,
+    "bf16": linear_jit.f32_linear_small,
     "q4_1": linear_quant.q4_1_linear_small,
     "q8_0": linear_quant.q8_0_linear_small,
 }
@@ -49,6 +56,7 @@ class PackedWeight:
     """One weight matrix W of logical shape [n, k] (out_features, in_features) in strip layout.
 
     kind "f32":  arrays = (w [S, k, 16] float32,)
+    kind "f16" / "bf16": arrays = (w [S, k, 16] uint16 fp16 bits / int16 bf16 bits,)
     kind "q4_1": arrays = (qs [S, k/2, 16] uint8, d [S, k/32, 16] float32, m [S, k/32, 16] float32)
     kind "q8_0": arrays = (qs [S, k, 16] int8, d [S, k/32, 16] float32)
     with S = ceil(n / 16); padding rows are zero. nbytes is what one product streams.
@@ -62,8 +70,8 @@ class PackedWeight:
 
     def dequantize(self) -> np.ndarray:
         """W as float32 [n, k]: exactly the values the kernels multiply with."""
-        if self.kind == "f32":
-            strips = self.arrays[0]
+        if self.kind in FLOAT_KINDS:
+            strips = _widened(self.arrays[0])
         elif self.kind == "q8_0":
             qs, d = self.arrays
             strips = np.repeat(d, QK, axis=1) * qs.astype(np.float32)
@@ -74,6 +82,23 @@ class PackedWeight:
             q[:, 1::2] = qs >> np.uint8(4)
             strips = np.repeat(d, QK, axis=1) * q + np.repeat(m, QK, axis=1)
         return np.ascontiguousarray(strips.transpose(0, 2, 1).reshape(-1, self.k)[: self.n])
+
+
+def _widened(strips: np.ndarray) -> np.ndarray:
+    """Float strips as float32 (exact): fp16 bits (uint16) and bf16 bits (int16) widened."""
+    if strips.dtype == np.uint16:
+        return strips.view(np.float16).astype(np.float32)
+    if strips.dtype == np.int16:
+        return (strips.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return strips
+
+
+def _pack_half(raw: np.ndarray, kind: str, name: str, n: int, k: int) -> PackedWeight:
+    """F16 / BF16 rows kept as their 2-byte values (the kernels widen them exactly)."""
+    data = np.ascontiguousarray(raw).view(np.uint8)
+    if data.size != 2 * n * k:
+        raise ValueError(f"{name}: data does not hold {n} rows of {k} {kind.upper()} weights")
+    return _packed(n, k, kind, (_to_strips(data.view(FLOAT_KINDS[kind]).reshape(n, k)),))
 
 
 def _to_strips(rows: np.ndarray) -> np.ndarray:
@@ -149,9 +174,11 @@ def pack_gguf_tensor(t, numerics: str = "exact") -> Weight:
             return packed
     name, k, n = matrix_shape(t)
     kind = gguf.GGMLQuantizationType(t.tensor_type)
-    if numerics == "int8":
+    if numerics == "int8" and kind not in _HALF_TYPES:
         _say_float_fallback(kind)
     raw = np.asarray(t.data)
+    if kind in _HALF_TYPES:
+        return _pack_half(raw, _HALF_TYPES[kind], name, n, k)
     if kind in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
         block_bytes = _Q4_1_BLOCK_BYTES if kind == gguf.GGMLQuantizationType.Q4_1 else _Q8_0_BLOCK_BYTES
         if k % QK or raw.dtype != np.uint8 or raw.size != n * (k // QK) * block_bytes:
@@ -235,7 +262,7 @@ def linear(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
             int_linear.matmul(xq, part, out, col0)
     elif x.shape[0] < TILE_MIN_TOKENS[w.kind]:
         _SMALL[w.kind](x, *w.arrays, out)
-    elif w.kind == "f32":
+    elif w.kind in FLOAT_KINDS:
         linear_jit.f32_linear_tiles(x, w.arrays[0], out)
     else:
         _SCRATCH[w.kind](x, *w.arrays, out, _scratch_for(w.k))

@@ -8,7 +8,10 @@ Quantized weights are decoded to exactly the float32 values gguf-py's dequantize
 (`d * q` for Q8_0, `d * q + m` for Q4_1, each rounded in float32).
 
 Layouts (S = ceil(N / 16) strips of 16 output rows, stored k-major so one k reads 16 rows at once):
-  f32   w  [S, K, 16] float32
+  f32   w  [S, K, 16] float32, or the F16 / BF16 file's own 2-byte values: uint16 (fp16 bits) or
+        int16 (bf16 bits; NumPy has no bf16 dtype, so the element type names the format). Each is
+        widened to float32 exactly as it is loaded (`as_f32`), so the sums are those of the float32
+        values, bit for bit, at half the bytes streamed.
   q8_0  qs [S, K, 16] int8;  d [S, K/32, 16] float32
   q4_1  qs [S, K/2, 16] uint8, low nibble = even k, high nibble = odd k;  d, m [S, K/32, 16] float32
 Vectorisation notes: the strip's 16 rows form the vector, so each accumulator acc[t, 0:16] must
@@ -19,7 +22,9 @@ indices add wraparound checks and 64-bit integers have no AVX2 conversion, both 
 """
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 U0 = np.uint64(0)
 U1 = np.uint64(1)
@@ -30,6 +35,24 @@ U16 = np.uint64(16)
 U32 = np.uint64(32)
 NIBBLE = np.int32(15)
 FOUR = np.int32(4)
+
+
+@intrinsic
+def as_f32(typingctx, v):
+    """A strip element as float32, exactly: float32 as is, uint16 as fp16 bits, int16 as bf16 bits."""
+    if v not in (types.float32, types.uint16, types.int16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        (bits,) = args
+        if v == types.float32:
+            return bits
+        if v == types.uint16:
+            return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+        wide = builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(v), codegen
 
 
 @njit(cache=True, inline="always")
@@ -62,7 +85,7 @@ def tiles4(x, w, j, out, n0, num_rows, acc):
             x2 = x[t2, k]
             x3 = x[t3, k]
             for r in range(U16):
-                wv = w[j, k, r]
+                wv = as_f32(w[j, k, r])
                 acc[0, r] += wv * x0
                 acc[1, r] += wv * x1
                 acc[2, r] += wv * x2
@@ -101,7 +124,7 @@ def f32_linear_small(x, w, out):
                 x0 = x[t0, k]
                 x1 = x[t0 + U1, k]
                 for r in range(U16):
-                    wv = w[su, k, r]
+                    wv = as_f32(w[su, k, r])
                     acc[0, r] += wv * x0
                     acc[1, r] += wv * x1
             store_tile(acc, U2, out, t0, n0, num_rows)
@@ -111,5 +134,5 @@ def f32_linear_small(x, w, out):
             for k in range(k_dim):
                 x0 = x[t0, k]
                 for r in range(U16):
-                    acc[0, r] += w[su, k, r] * x0
+                    acc[0, r] += as_f32(w[su, k, r]) * x0
             store_tile(acc, U1, out, t0, n0, num_rows)

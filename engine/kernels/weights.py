@@ -73,7 +73,7 @@ class EmbeddingTable:
     """Rows of a GGUF embedding tensor, dequantized on demand to exactly gguf's values.
 
     Q8_0 (the usual type of a token_embd) is gathered by a compiled loop over its int8 values and
-    float32 scales (kept beside the file's bytes: 4 bytes per 32 weights); F32 / F16 rows are indexed;
+    float32 scales (kept beside the file's bytes: 4 bytes per 32 weights); F32 / F16 / BF16 rows are indexed;
     any other type goes through gguf's dequantizer. (gguf's Python path cost ~50-250 us per call for
     one or two rows, a share of a decode step.)
     """
@@ -96,5 +96,7 @@ class EmbeddingTable:
             _gather_q8_0(self.quants, self.scales, ids, out)
         elif self.kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             out[:] = self.data[ids]
+        elif self.kind == gguf.GGMLQuantizationType.BF16:  # bf16 bits are a float32's high half
+            out[:] = (self.data[ids].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
         else:
             embed_rows(self.tensor, ids, out)
