@@ -22,7 +22,7 @@ import numba as nb
 from numba.core import types
 from numba.experimental import structref
 
-from engine.kernels import arch_ops, attention, attention_split, int_linear, linear_jit, linear_quant, ops
+from engine.kernels import arch_ops, attention, attention_split, float_tiles, int_linear, linear_quant, ops
 from engine.kernels.simd import specialize
 
 PARALLEL_MIN_ROWS = ops.PARALLEL_MIN_ROWS
@@ -66,11 +66,8 @@ def _int_product3(x, w, out, rows):
     _k2(w[2][0], xq, out, w[2][2], w[2][1])  # noqa: F821
 
 
-def _exact_f32(x, w, out, rows):
-    if x.shape[0] < 3:
-        linear_jit.f32_linear_small(x, w[0], out)
-    else:
-        linear_jit.f32_linear_tiles(x, w[0], out)
+def _exact_float(x, w, out, rows):
+    _float(x, w[0], out)  # noqa: F821  (float_tiles' kernel, bound per path)
 
 
 def _exact_q4_1(x, w, out, rows):
@@ -88,14 +85,16 @@ def _exact_q8_0(x, w, out, rows):
 
 
 _INT_PRODUCTS = {1: _int_product1, 2: _int_product2, 3: _int_product3}
-_EXACT_PRODUCTS = {"f32": _exact_f32, "f16": _exact_f32, "bf16": _exact_f32, "q4_1": _exact_q4_1, "q8_0": _exact_q8_0}
+_EXACT_PRODUCTS = {"f32": _exact_float, "f16": _exact_float, "bf16": _exact_float, "q4_1": _exact_q4_1,
+                   "q8_0": _exact_q8_0}
 
 
 @functools.cache
 def product(key: tuple, path: str):
     """The compiled product for ("int8", fmt, ...) (one format per part) or ("exact", kind)."""
     if key[0] == "exact":
-        return specialize(_EXACT_PRODUCTS[key[1]], path, {}, tag=f"exact_{key[1]}", parallel=False)
+        bind = {"_float": float_tiles.kernel(path)}
+        return specialize(_EXACT_PRODUCTS[key[1]], path, bind, tag=f"exact_{key[1]}", parallel=False)
     kernels = {f"_k{i}": int_linear.kernel(fmt, path) for i, fmt in enumerate(key[1:])}
     return specialize(_INT_PRODUCTS[len(key) - 1], path, kernels, tag="_".join(key[1:]), parallel=False)
 

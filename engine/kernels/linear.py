@@ -4,7 +4,7 @@ Two numerics, chosen when a weight is packed:
   int8   GGUF integer formats (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ1_S ... IQ4_XS, TQ1_0, TQ2_0) stay in their blocks
          (the i-quants as indices into a table of their values, int_pack) and multiply int8-quantized
          activations with exact integer sums (int_linear); other types as exact.
-  exact  strict float32: strips of 16 output rows stored k-major (see linear_jit); Q4_1 and Q8_0
+  exact  strict float32: strips of 16 output rows stored k-major (float_tiles, linear_jit); Q4_1 and Q8_0
          keep their exact quants and scales, F16 and BF16 their 2-byte values (widened exactly as
          they are loaded), every other type is dequantized to float32.
 F32, F16 and BF16 weights run as exact under both numerics (they have no integer blocks).
@@ -21,7 +21,7 @@ import gguf
 import numba
 import numpy as np
 
-from engine.kernels import int_linear, linear_jit, linear_quant
+from engine.kernels import float_tiles, int_linear, linear_quant
 from engine.kernels.int_pack import IntWeight, pack_int
 from engine.kernels.weights import concat_gguf_rows, matrix_shape
 
@@ -29,11 +29,10 @@ log = logging.getLogger(__name__)
 NUMERICS = ("int8", "exact")
 STRIP = 16  # output rows per strip
 QK = 32  # weights per GGUF Q4_1 / Q8_0 block
-# From these token counts the 4-token tiles beat the small kernels: for f32 from 3 (pairs re-read
-# the strip); for quants from 7, where decoding each strip once into scratch beats decoding it in
-# registers once per group of 4 (measured with `speculant bench model` on the 2-core dev machine).
-TILE_MIN_TOKENS = {"f32": 3, "f16": 3, "bf16": 3, "q4_1": 7, "q8_0": 7}
-# float strip element types: the file's F16 / BF16 values as their bits (see linear_jit)
+# From these token counts the exact Q4_1 / Q8_0 kernels' 4-token tiles beat the small ones: decoding
+# each strip once into scratch beats decoding it in registers once per group of 4 (measured with `speculant bench model` on the 2-core dev machine).
+TILE_MIN_TOKENS = {"q4_1": 7, "q8_0": 7}
+# float strip element types: the file's F16 / BF16 values as their bits (see float_tiles)
 FLOAT_KINDS = {"f32": np.float32, "f16": np.uint16, "bf16": np.int16}
 _HALF_TYPES = {gguf.GGMLQuantizationType.F16: "f16", gguf.GGMLQuantizationType.BF16: "bf16"}
 
@@ -42,9 +41,6 @@ _Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
 _scratch = threading.local()
 _F32 = np.dtype(np.float32)
 _SMALL = {
-    "f32": linear_jit.f32_linear_small,
-    "f16": linear_jit.f32_linear_small,
-    "bf16": linear_jit.f32_linear_small,
     "q4_1": linear_quant.q4_1_linear_small,
     "q8_0": linear_quant.q8_0_linear_small,
 }
@@ -260,9 +256,9 @@ def linear(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
         xq = int_linear.quantize(x, spare=True)  # x rows + 1: padded last tiles (int_linear._gemm)
         for part, col0 in zip(w.parts, w.offsets) if isinstance(w, WeightParts) else ((w, 0),):
             int_linear.matmul(xq, part, out, col0)
+    elif w.kind in FLOAT_KINDS:
+        float_tiles.kernel(int_linear.host_path())(x, w.arrays[0], out)
     elif x.shape[0] < TILE_MIN_TOKENS[w.kind]:
         _SMALL[w.kind](x, *w.arrays, out)
-    elif w.kind in FLOAT_KINDS:
-        linear_jit.f32_linear_tiles(x, w.arrays[0], out)
     else:
         _SCRATCH[w.kind](x, *w.arrays, out, _scratch_for(w.k))

@@ -1,4 +1,6 @@
-"""Numba kernels for y = x @ W.T on strip-packed weights (see shared/CPU-KERNELS.md).
+"""Numba loops for y = x @ W.T on strip-packed weights: the 4-token tiles of the exact Q4_1 / Q8_0
+kernels (linear_quant), which decode each strip into float32 scratch first. Float weights (F32, F16,
+BF16) run on float_tiles' explicit vectors, which give the same sums. See shared/CPU-KERNELS.md.
 
 Each output element is one sequential float32 sum over k = 0..K-1 in which every step rounds
 `w * x` and then `acc + (w * x)` separately (fastmath off, so LLVM never fuses them into an FMA).
@@ -8,10 +10,7 @@ Quantized weights are decoded to exactly the float32 values gguf-py's dequantize
 (`d * q` for Q8_0, `d * q + m` for Q4_1, each rounded in float32).
 
 Layouts (S = ceil(N / 16) strips of 16 output rows, stored k-major so one k reads 16 rows at once):
-  f32   w  [S, K, 16] float32, or the F16 / BF16 file's own 2-byte values: uint16 (fp16 bits) or
-        int16 (bf16 bits; NumPy has no bf16 dtype, so the element type names the format). Each is
-        widened to float32 exactly as it is loaded (`as_f32`), so the sums are those of the float32
-        values, bit for bit, at half the bytes streamed.
+  f32   w  [S, K, 16] float32 (float_tiles also takes the F16 / BF16 file's 2-byte values)
   q8_0  qs [S, K, 16] int8;  d [S, K/32, 16] float32
   q4_1  qs [S, K/2, 16] uint8, low nibble = even k, high nibble = odd k;  d, m [S, K/32, 16] float32
 Vectorisation notes: the strip's 16 rows form the vector, so each accumulator acc[t, 0:16] must
@@ -22,9 +21,7 @@ indices add wraparound checks and 64-bit integers have no AVX2 conversion, both 
 """
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit
 
 U0 = np.uint64(0)
 U1 = np.uint64(1)
@@ -35,24 +32,6 @@ U16 = np.uint64(16)
 U32 = np.uint64(32)
 NIBBLE = np.int32(15)
 FOUR = np.int32(4)
-
-
-@intrinsic
-def as_f32(typingctx, v):
-    """A strip element as float32, exactly: float32 as is, uint16 as fp16 bits, int16 as bf16 bits."""
-    if v not in (types.float32, types.uint16, types.int16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        (bits,) = args
-        if v == types.float32:
-            return bits
-        if v == types.uint16:
-            return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
-        wide = builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-
-    return types.float32(v), codegen
 
 
 @njit(cache=True, inline="always")
@@ -85,7 +64,7 @@ def tiles4(x, w, j, out, n0, num_rows, acc):
             x2 = x[t2, k]
             x3 = x[t3, k]
             for r in range(U16):
-                wv = as_f32(w[j, k, r])
+                wv = w[j, k, r]
                 acc[0, r] += wv * x0
                 acc[1, r] += wv * x1
                 acc[2, r] += wv * x2
@@ -93,46 +72,3 @@ def tiles4(x, w, j, out, n0, num_rows, acc):
         num_tile = min(U4, num_tokens - t0)
         store_tile(acc, num_tile, out, t0, n0, num_rows)
         t0 += num_tile
-
-
-@njit(parallel=True, cache=True)
-def f32_linear_tiles(x, w, out):
-    """x [T, K] @ strips w [S, K, 16] -> out [T, N], tiles of 4 tokens (used for T >= 3)."""
-    n = np.uint64(out.shape[1])
-    for s in prange(w.shape[0]):
-        acc = np.empty((4, 16), np.float32)  # [tile tokens, strip rows]
-        su = np.uint64(s)
-        n0 = su * U16
-        tiles4(x, w, su, out, n0, min(U16, n - n0), acc)
-
-
-@njit(parallel=True, cache=True)
-def f32_linear_small(x, w, out):
-    """x [T, K] @ strips w [S, K, 16] -> out [T, N], tokens in pairs then one (used for T <= 2)."""
-    num_tokens = np.uint64(x.shape[0])
-    k_dim = np.uint64(x.shape[1])
-    n = np.uint64(out.shape[1])
-    for s in prange(w.shape[0]):
-        acc = np.empty((2, 16), np.float32)  # [pair tokens, strip rows]
-        su = np.uint64(s)
-        n0 = su * U16
-        num_rows = min(U16, n - n0)
-        t0 = U0
-        while num_tokens - t0 >= U2:
-            acc[:] = 0
-            for k in range(k_dim):
-                x0 = x[t0, k]
-                x1 = x[t0 + U1, k]
-                for r in range(U16):
-                    wv = as_f32(w[su, k, r])
-                    acc[0, r] += wv * x0
-                    acc[1, r] += wv * x1
-            store_tile(acc, U2, out, t0, n0, num_rows)
-            t0 += U2
-        if t0 < num_tokens:
-            acc[:] = 0
-            for k in range(k_dim):
-                x0 = x[t0, k]
-                for r in range(U16):
-                    acc[0, r] += as_f32(w[su, k, r]) * x0
-            store_tile(acc, U1, out, t0, n0, num_rows)

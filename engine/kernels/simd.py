@@ -273,14 +273,18 @@ def bits_put(typingctx, v, hi, shift):
 
 @_intrinsic
 def row_f32(typingctx, arr, idx):
-    """16 values at arr[idx:] as float32: a float32 array as is, a uint16 array as fp16 bits, an int8 array as integers (exact)."""
-    kind = {types.uint16: "half", types.int8: "int8"}.get(arr.dtype, "float")
+    """16 values at arr[idx:] as float32, exact: a float32 array as is, a uint16 array as fp16 bits, an int16
+    array as bf16 bits, an int8 array as integers."""
+    kind = {types.uint16: "half", types.int16: "bf16", types.int8: "int8"}.get(arr.dtype, "float")
 
     def codegen(context, builder, sig, args):
-        src = ir.VectorType({"half": ir.HalfType(), "int8": _I8, "float": _F32}[kind], LANES)
+        src = ir.VectorType({"half": ir.HalfType(), "bf16": _I16, "int8": _I8, "float": _F32}[kind], LANES)
         v = builder.load(_addr(context, builder, sig.args[0], args[0], args[1], src), align=1)
         if kind == "float":
             return v
+        if kind == "bf16":  # bf16 bits are the high half of a float32's
+            wide = builder.shl(builder.zext(v, _i32(1).llvm()), ir.Constant(_i32(1).llvm(), [16] * LANES))
+            return builder.bitcast(wide, _f32(1).llvm())
         return builder.fpext(v, _f32(1).llvm()) if kind == "half" else builder.sitofp(v, _f32(1).llvm())
 
     return _f32(1)(arr, idx), codegen
