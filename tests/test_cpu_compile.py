@@ -105,8 +105,8 @@ def test_nothing_compiled_beside_the_helper_reaches_the_attention_modules():
 
     graph = import_graph()
     attention = {m for m in graph if m.startswith("engine.kernels.attention") or m == "engine.kernels.kv_prefetch"}
-    for start in ("engine.kernels.int_linear", "engine.kernels.linear", "engine.kernels.linear_jit",
-                  "engine.kernels.linear_quant", "engine.spec_decode.verify"):  # the products, LM head, verification
+    for start in ("engine.kernels.int_linear", "engine.kernels.linear", "engine.kernels.float_tiles",
+                  "engine.spec_decode.verify"):  # the products, LM head, verification
         seen, todo = set(), [start]
         while todo:
             module = todo.pop()

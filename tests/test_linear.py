@@ -7,8 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import engine  # noqa: F401  (sets NUMBA_SLP_VECTORIZE before numba compiles anything)
-from engine.kernels import float_tiles, int_linear, linear_quant
-from engine.kernels.linear import TILE_MIN_TOKENS, PackedWeight, linear, pack_f32, pack_gguf_tensor
+from engine.kernels import float_tiles, int_linear
+from engine.kernels.linear import PackedWeight, float_format, linear, pack_f32, pack_gguf_tensor
 from engine.model.gguf_loader import GGUFModel
 
 # name: (GGUF type, n, k) with n never a multiple of 16, so every tensor has padded strip rows
@@ -102,23 +102,6 @@ def test_rows_are_bit_identical_whatever_the_batch(packed, name):
         np.testing.assert_array_equal(run(x, w), alone[picks], err_msg=f"T={num_tokens}")
 
 
-@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
-def test_pair_and_tile_kernels_agree_bit_for_bit(packed, name):
-    """linear() picks the small kernels (groups of 4 or 3 tokens, pairs, singles) below
-    TILE_MIN_TOKENS and the 4-token tiles from there; both must agree at every T either side."""
-    w, _ = packed[name]
-    x = np.random.default_rng(3).standard_normal((9, w.k)).astype(np.float32)
-    small = getattr(linear_quant, f"{name}_linear_small")
-    scratch = np.empty((numba.config.NUMBA_NUM_THREADS, w.k, 16), np.float32)
-    for num_tokens in range(1, 10):
-        a = np.full((num_tokens, w.n), np.nan, np.float32)
-        b = a.copy()
-        small(x[:num_tokens], *w.arrays, a)
-        getattr(linear_quant, f"{name}_linear_scratch")(x[:num_tokens], *w.arrays, b, scratch)
-        np.testing.assert_array_equal(a, b, err_msg=f"T={num_tokens}")
-    assert TILE_MIN_TOKENS[name] <= 9
-
-
 @pytest.mark.parametrize("name", ["f16", "bf16"])
 def test_half_weights_give_the_bits_of_their_float32_values_at_half_the_bytes(packed, name):
     """F16 / BF16 strips are widened as they are loaded: every T gives exactly what float32 strips of
@@ -140,15 +123,16 @@ def sequential_sum(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return acc
 
 
-@pytest.mark.parametrize("name", ["f32", "f16", "bf16"])
-def test_float_kernels_give_the_sequential_float32_sum_on_every_path(packed, name):
-    """Tiles of 8 (avx512) or 4, then 4 / 2 / 1 for the rest, on the host path and the portable one."""
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16", "q4_1", "q8_0"])
+def test_exact_kernels_give_the_sequential_float32_sum_on_every_path(packed, name):
+    """Tiles of 8 (avx512) or 4, then the rest (pairs 4 + 2, 4 + 1, 2 + 1; 2; 1), on the host path and the
+    portable one, against NumPy's sum of gguf's own float32 weights."""
     w, ref = packed[name]
     x = np.random.default_rng(7).standard_normal((19, w.k)).astype(np.float32)
     for path in sorted({int_linear.host_path(), "portable"}):
         for num_tokens in range(1, 20):
             out = np.full((num_tokens, w.n), np.nan, np.float32)
-            float_tiles.kernel(path)(x[:num_tokens], w.arrays[0], out)
+            float_tiles.kernel(float_format(w.kind), path)(x[:num_tokens], w.arrays, out)
             np.testing.assert_array_equal(out, sequential_sum(x[:num_tokens], ref), err_msg=f"{path} T={num_tokens}")
 
 

@@ -6,7 +6,7 @@ products are bound per weight format (`product`), so a forward is one call per l
 
 Weights as the layer passes them to a product:
   int8   w = ((arrays, n, col0), ...): one entry per part (one, or q|k|v of mixed formats)
-  exact  w = the PackedWeight's arrays; `rows` is the float kernels' decode scratch
+  exact  w = the PackedWeight's arrays (float_tiles); `rows` is not used
 Buffers `rows` of an int8 product are its QuantRows (xq, xd, xm, xs), sliced to T inside.
 
 An architecture's optional parts (QKV bias, QK-norm, post-sublayer norms, RoPE style, FFN
@@ -22,7 +22,7 @@ import numba as nb
 from numba.core import types
 from numba.experimental import structref
 
-from engine.kernels import arch_ops, attention, attention_split, float_tiles, int_linear, linear_quant, ops
+from engine.kernels import arch_ops, attention, attention_split, float_tiles, int_linear, ops
 from engine.kernels.simd import specialize
 
 PARALLEL_MIN_ROWS = ops.PARALLEL_MIN_ROWS
@@ -66,35 +66,21 @@ def _int_product3(x, w, out, rows):
     _k2(w[2][0], xq, out, w[2][2], w[2][1])  # noqa: F821
 
 
-def _exact_float(x, w, out, rows):
-    _float(x, w[0], out)  # noqa: F821  (float_tiles' kernel, bound per path)
-
-
-def _exact_q4_1(x, w, out, rows):
-    if x.shape[0] < 7:
-        linear_quant.q4_1_linear_small(x, w[0], w[1], w[2], out)
-    else:
-        linear_quant.q4_1_linear_scratch(x, w[0], w[1], w[2], out, rows)
-
-
-def _exact_q8_0(x, w, out, rows):
-    if x.shape[0] < 7:
-        linear_quant.q8_0_linear_small(x, w[0], w[1], out)
-    else:
-        linear_quant.q8_0_linear_scratch(x, w[0], w[1], out, rows)
+def _exact(x, w, out, rows):
+    _float(x, w, out)  # noqa: F821  (float_tiles' kernel for the weight's format, bound per path)
 
 
 _INT_PRODUCTS = {1: _int_product1, 2: _int_product2, 3: _int_product3}
-_EXACT_PRODUCTS = {"f32": _exact_float, "f16": _exact_float, "bf16": _exact_float, "q4_1": _exact_q4_1,
-                   "q8_0": _exact_q8_0}
 
 
 @functools.cache
 def product(key: tuple, path: str):
     """The compiled product for ("int8", fmt, ...) (one format per part) or ("exact", kind)."""
     if key[0] == "exact":
-        bind = {"_float": float_tiles.kernel(path)}
-        return specialize(_EXACT_PRODUCTS[key[1]], path, bind, tag=f"exact_{key[1]}", parallel=False)
+        from engine.kernels.linear import float_format
+
+        bind = {"_float": float_tiles.kernel(float_format(key[1]), path)}
+        return specialize(_exact, path, bind, tag=f"exact_{key[1]}", parallel=False)
     kernels = {f"_k{i}": int_linear.kernel(fmt, path) for i, fmt in enumerate(key[1:])}
     return specialize(_INT_PRODUCTS[len(key) - 1], path, kernels, tag="_".join(key[1:]), parallel=False)
 

@@ -4,7 +4,7 @@ Two numerics, chosen when a weight is packed:
   int8   GGUF integer formats (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ1_S ... IQ4_XS, TQ1_0, TQ2_0) stay in their blocks
          (the i-quants as indices into a table of their values, int_pack) and multiply int8-quantized
          activations with exact integer sums (int_linear); other types as exact.
-  exact  strict float32: strips of 16 output rows stored k-major (float_tiles, linear_jit); Q4_1 and Q8_0
+  exact  strict float32: strips of 16 output rows stored k-major (float_tiles); Q4_1 and Q8_0
          keep their exact quants and scales, F16 and BF16 their 2-byte values (widened exactly as
          they are loaded), every other type is dequantized to float32.
 F32, F16 and BF16 weights run as exact under both numerics (they have no integer blocks).
@@ -14,14 +14,12 @@ tokens therefore reproduces plain T = 1 decoding bit for bit.
 """
 
 import logging
-import threading
 from dataclasses import dataclass
 
 import gguf
-import numba
 import numpy as np
 
-from engine.kernels import float_tiles, int_linear, linear_quant
+from engine.kernels import float_tiles, int_linear
 from engine.kernels.int_pack import IntWeight, pack_int
 from engine.kernels.weights import concat_gguf_rows, matrix_shape
 
@@ -29,22 +27,18 @@ log = logging.getLogger(__name__)
 NUMERICS = ("int8", "exact")
 STRIP = 16  # output rows per strip
 QK = 32  # weights per GGUF Q4_1 / Q8_0 block
-# From these token counts the exact Q4_1 / Q8_0 kernels' 4-token tiles beat the small ones: decoding
-# each strip once into scratch beats decoding it in registers once per group of 4 (measured with `speculant bench model` on the 2-core dev machine).
-TILE_MIN_TOKENS = {"q4_1": 7, "q8_0": 7}
 # float strip element types: the file's F16 / BF16 values as their bits (see float_tiles)
 FLOAT_KINDS = {"f32": np.float32, "f16": np.uint16, "bf16": np.int16}
+_F32 = np.dtype(np.float32)
 _HALF_TYPES = {gguf.GGMLQuantizationType.F16: "f16", gguf.GGMLQuantizationType.BF16: "bf16"}
 
 _Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 _Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8
-_scratch = threading.local()
-_F32 = np.dtype(np.float32)
-_SMALL = {
-    "q4_1": linear_quant.q4_1_linear_small,
-    "q8_0": linear_quant.q8_0_linear_small,
-}
-_SCRATCH = {"q4_1": linear_quant.q4_1_linear_scratch, "q8_0": linear_quant.q8_0_linear_scratch}
+
+
+def float_format(kind: str) -> str:
+    """The float_tiles format that runs a PackedWeight kind."""
+    return "float" if kind in FLOAT_KINDS else kind
 
 
 @dataclass(frozen=True, eq=False)
@@ -221,17 +215,6 @@ def pack_gguf_rows(tensors, numerics: str = "exact") -> Weight:
     return pack_gguf_tensor(concat_gguf_rows(tensors), numerics)
 
 
-def _scratch_for(k: int) -> np.ndarray:
-    """This Python thread's decode scratch [max threads, k, 16] float32."""
-    cached = getattr(_scratch, "by_k", None)
-    if cached is None:
-        cached = _scratch.by_k = {}
-    buf = cached.get(k)
-    if buf is None:
-        buf = cached[k] = np.empty((numba.config.NUMBA_NUM_THREADS, k, STRIP), np.float32)
-    return buf
-
-
 def _check(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
     """Cheap on the hot path (one call per weight product); names the bad field otherwise."""
     if not isinstance(w, (PackedWeight, IntWeight, WeightParts)):
@@ -256,9 +239,5 @@ def linear(x: np.ndarray, w: Weight, out: np.ndarray) -> None:
         xq = int_linear.quantize(x, spare=True)  # x rows + 1: padded last tiles (int_linear._gemm)
         for part, col0 in zip(w.parts, w.offsets) if isinstance(w, WeightParts) else ((w, 0),):
             int_linear.matmul(xq, part, out, col0)
-    elif w.kind in FLOAT_KINDS:
-        float_tiles.kernel(int_linear.host_path())(x, w.arrays[0], out)
-    elif x.shape[0] < TILE_MIN_TOKENS[w.kind]:
-        _SMALL[w.kind](x, *w.arrays, out)
     else:
-        _SCRATCH[w.kind](x, *w.arrays, out, _scratch_for(w.k))
+        float_tiles.kernel(float_format(w.kind), int_linear.host_path())(x, w.arrays, out)

@@ -203,13 +203,14 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.slot_mapping = np.zeros(n, np.int32)
 
     def _rows(self, k: int, on_float: bool = False):
-        """A product's input buffers: QuantRows (int8) or the float kernels' decode scratch (exact, or
-        `on_float`: a weight the integer kernels do not run, such as a float32 MoE router)."""
+        """A product's input buffers: QuantRows (int8), or an empty placeholder where the float kernels run
+        (exact, or `on_float`: a weight the integer kernels do not run, such as a float32 MoE router),
+        which need none."""
         n = self.cache.max_num_batched_tokens
         if self.numerics == "int8" and not on_float:
             r = QuantRows(k, n)
             return r.xq, r.xd, r.xm, r.xs
-        return np.empty((numba.config.NUMBA_NUM_THREADS, k, 16), np.float32)
+        return np.empty((0, k, 16), np.float32)
 
     def layer_rows(self) -> tuple:
         """The layers' product input buffers for inputs of hidden, q and intermediate width (see `_rows`)."""
