@@ -139,3 +139,24 @@ def test_other_architecture_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="mamba"):
         GGUFModel(path)
+
+
+@pytest.mark.parametrize("half", ["F16", "BF16"])
+@pytest.mark.parametrize("numerics", ["int8", "exact"])
+def test_half_weights_give_the_logits_of_their_float32_values(tmp_path, model_path, half, numerics):
+    """A model stored in F16 / BF16 runs at 2 bytes a weight, widened exactly as loaded: its logits are
+    bit-identical to those of an F32 file holding the same values, in both numerics."""
+    from tiny_models import write_tiny_llama
+
+    cache = CacheConfig(block_size=4, num_blocks=32, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64)
+    ids = np.random.default_rng(1).integers(0, 1000, 13).astype(np.int32)
+    logits = {}
+    for stored in (half, "F32"):
+        path = write_tiny_llama(tmp_path / f"{stored}.gguf", model_path, weights=stored, values_of=half)
+        runner = CpuRunner(GGUFModel(path), cache, numerics=numerics)
+        fb = ForwardBatch(runner.cache)
+        fb.add(ids, 0, list(range(4)), len(ids))
+        logits[stored] = runner.forward(fb).copy()
+        if stored == half:
+            assert {runner.lm_head.kind} | {w.kind for w in runner.layers[0][1:3]} == {half.lower()}
+    np.testing.assert_array_equal(logits[half], logits["F32"])

@@ -36,11 +36,13 @@ def copy_tokenizer(writer: gguf.GGUFWriter, source: dict, rename: dict[int, str]
 
 def write_tiny_llama(path: Path, tokenizer_source: Path, seed: int = 0, layers: int = 2, hidden: int = 64,
                      heads: int = 4, kv_heads: int = 2, inter: int = 128, logit_scale: float = 1.0,
-                     rename: dict[int, str] | None = None) -> Path:
-    """A random Llama GGUF (F32 weights, its own output matrix) with the source's tokenizer.
+                     rename: dict[int, str] | None = None, weights: str = "F32", values_of: str | None = None) -> Path:
+    """A random Llama GGUF (its own output matrix) with the source's tokenizer.
 
     `logit_scale` sharpens the output distribution (logits are scaled by it), so that a few dozen
-    tokens carry most of the mass: statistical tests then need few samples.
+    tokens carry most of the mass: statistical tests then need few samples. The matrices are stored
+    as `weights` (F32, F16 or BF16; norms stay F32); `values_of` (F16 or BF16) rounds their values
+    to that type first, so an F32 file can hold exactly the values of an F16 or BF16 one.
     """
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -59,14 +61,25 @@ def write_tiny_llama(path: Path, tokenizer_source: Path, seed: int = 0, layers: 
     shapes = {"attn_q": (heads * hd, hidden), "attn_k": (kv_heads * hd, hidden), "attn_v": (kv_heads * hd, hidden),
               "attn_output": (hidden, heads * hd), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
               "ffn_down": (hidden, inter)}
-    writer.add_tensor("token_embd.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
+    stored, rounded = gguf.GGMLQuantizationType[weights], values_of and gguf.GGMLQuantizationType[values_of]
+
+    def add_matrix(name, values):
+        values = values.astype(np.float32)
+        if rounded:
+            values = gguf.quants.dequantize(gguf.quants.quantize(values, rounded), rounded).reshape(values.shape)
+        if stored == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, stored), raw_dtype=stored)
+
+    add_matrix("token_embd.weight", rng.standard_normal((vocab, hidden)))
     writer.add_tensor("output_norm.weight", np.full(hidden, logit_scale, np.float32))
-    writer.add_tensor("output.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
+    add_matrix("output.weight", rng.standard_normal((vocab, hidden)))
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
         for name, shape in shapes.items():
-            writer.add_tensor(f"blk.{i}.{name}.weight", (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32))
+            add_matrix(f"blk.{i}.{name}.weight", rng.standard_normal(shape) / np.sqrt(shape[1]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
