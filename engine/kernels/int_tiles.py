@@ -52,7 +52,11 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
 )
 
 
-AHEAD = 16  # blocks: prefetch the weights this far ahead in the strip-major stream
+# blocks: prefetch the weights this far ahead in the strip-major stream (8 KB of Q4_1 quants). SmolLM2's
+# 120 layer matrices in turn, one process, best of 15 (Zen 5, 2 threads): 32 against 16 took T = 1 / 4 / 6 / 8
+# 1.25-1.33 / 1.29-1.31 / 1.49-1.51 / 1.77 ms against 1.29-1.35 / 1.41-1.55 / 1.55-1.56 / 1.78-1.80 (24 and 48
+# no better); on the Xeon 64 and 96 gave one-token tiles nothing (journal).
+AHEAD = 32
 # The format's traits, rebound per format when int_linear compiles a kernel (Numba freezes globals
 # as constants, so each format's tile keeps only its own branches and registers):
 HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit (q3_k: its third)
