@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.kernels.weights import bf16_bits_to_float32
 from engine.model.gguf_loader import GGUFModel
 
 STORAGE_DTYPES = ("float16", "bfloat16", "float32")
@@ -23,10 +24,6 @@ def float32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
     rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     is_nan = (u & 0x7FFFFFFF) > 0x7F800000
     return np.where(is_nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def to_storage(a: np.ndarray, dtype: str) -> np.ndarray:

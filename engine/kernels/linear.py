@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.kernels import float_tiles, int_linear
 from engine.kernels.int_pack import IntWeight, pack_int
-from engine.kernels.weights import concat_gguf_rows, matrix_shape
+from engine.kernels.weights import bf16_bits_to_float32, concat_gguf_rows, matrix_shape
 
 log = logging.getLogger(__name__)
 NUMERICS = ("int8", "exact")
@@ -79,7 +79,7 @@ def _widened(strips: np.ndarray) -> np.ndarray:
     if strips.dtype == np.uint16:
         return strips.view(np.float16).astype(np.float32)
     if strips.dtype == np.int16:
-        return (strips.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return bf16_bits_to_float32(strips)
     return strips
 
 

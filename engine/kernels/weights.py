@@ -52,6 +52,11 @@ def concat_gguf_rows(tensors) -> RawTensor:
     return RawTensor(name, gguf.GGMLQuantizationType.F32, (k, n), np.concatenate(dense, axis=0).astype(np.float32))
 
 
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bf16 values held as 2-byte integers (uint16 or int16 bits) as float32, exact: they are its high half."""
+    return (np.ascontiguousarray(bits).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
 def embed_rows(embed, token_ids: np.ndarray, out: np.ndarray) -> None:
     """out[i] = dequantized embedding row of token_ids[i]; out: [num_tokens, hidden]."""
     rows = np.asarray(embed.data)[token_ids]
@@ -96,7 +101,7 @@ class EmbeddingTable:
             _gather_q8_0(self.quants, self.scales, ids, out)
         elif self.kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             out[:] = self.data[ids]
-        elif self.kind == gguf.GGMLQuantizationType.BF16:  # bf16 bits are a float32's high half
-            out[:] = (self.data[ids].view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        elif self.kind == gguf.GGMLQuantizationType.BF16:
+            out[:] = bf16_bits_to_float32(self.data[ids])
         else:
             embed_rows(self.tensor, ids, out)
