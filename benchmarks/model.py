@@ -2,7 +2,8 @@
 
 Prints prefill tokens/s (a fresh `--prefill-tokens` prompt), decode tokens/s at batch 1 and 8,
 the verify curve (ms per forward for T appended tokens at a `--context`-token context), a decode
-step at `--long-context` cached tokens against one at `--context`, the compute rate the weight
+step at `--long-context` cached tokens against one at `--context` and that step's attention from cold
+caches against a plain read of its K/V (benchmarks/attention_rate.py), the compute rate the weight
 products reach against the CPU's peak for their integer 4-dot (benchmarks/compute_rate.py), peak RSS,
 and the floor:
 bytes of weights streamed per step / this machine's measured read bandwidth. It names the CPU
@@ -115,16 +116,7 @@ def step_rounds(runner, cases: list[tuple[int, int]], repeats: int) -> dict[tupl
     from engine.model.cpu_runner import ForwardBatch
 
     fb = ForwardBatch(runner.cache)
-    chunk, bs = runner.cache.max_num_batched_tokens, runner.cache.block_size
-    tables, first = {}, 0
-    for context in sorted({c for c, _ in cases}):
-        blocks = -(-(context + max(t for c, t in cases if c == context)) // bs)
-        tables[context] = list(range(first, first + blocks))
-        first += blocks
-        for start in range(0, context, chunk):  # prefilled in chunks the runner's buffers hold
-            fb.clear()
-            fb.add(np.arange(start, min(context, start + chunk), dtype=np.int32) % 1000, start, tables[context], 1)
-            runner.forward(fb)
+    tables = prefill_contexts(runner, cases)
     times = {case: [] for case in cases}
     for r in range(repeats):
         for context, t in cases[r % len(cases):] + cases[: r % len(cases)]:
@@ -135,13 +127,42 @@ def step_rounds(runner, cases: list[tuple[int, int]], repeats: int) -> dict[tupl
     return {case: 1000 * float(np.median(v)) for case, v in times.items()}
 
 
+def context_tables(cases: list[tuple[int, int]], block_size: int) -> dict[int, list[int]]:
+    """context -> its own blocks, in order of context, with room for the largest T of its (context, T) cases."""
+    tables, first = {}, 0
+    for context in sorted({c for c, _ in cases}):
+        blocks = -(-(context + max(t for c, t in cases if c == context)) // block_size)
+        tables[context] = list(range(first, first + blocks))
+        first += blocks
+    return tables
+
+
+def prefill_contexts(runner, cases: list[tuple[int, int]]) -> dict[int, list[int]]:
+    """Each context of the cases prefilled into its blocks (context_tables); returns the tables."""
+    from engine.model.cpu_runner import ForwardBatch
+
+    fb = ForwardBatch(runner.cache)
+    chunk = runner.cache.max_num_batched_tokens
+    tables = context_tables(cases, runner.cache.block_size)
+    for context, table in tables.items():
+        for start in range(0, context, chunk):  # prefilled in chunks the runner's buffers hold
+            fb.clear()
+            fb.add(np.arange(start, min(context, start + chunk), dtype=np.int32) % 1000, start, table, 1)
+            runner.forward(fb)
+    return tables
+
+
 def model_steps(runner, args) -> dict:
     """The verify curve at --context and, in the same rounds, the decode step at --long-context."""
     cases = [(args.context, t) for t in VERIFY_TS] + ([(args.long_context, 1)] if args.long_context else [])
     times = step_rounds(runner, cases, args.repeats)
     out = {"verify_ms": {t: times[(args.context, t)] for t in VERIFY_TS}}
     if args.long_context:
+        from benchmarks import attention_rate
+
         out["long_decode_ms"] = times[(args.long_context, 1)]
+        table = context_tables(cases, runner.cache.block_size)[args.long_context]  # the blocks the long step read
+        out["long_attention"] = attention_rate.measure(runner, args.long_context, table)
     return out
 
 
@@ -262,8 +283,11 @@ def report(res: dict) -> None:
     print(f"decode batch 1          {res['decode_tok_s_b1']:.1f} tok/s")
     print(f"decode batch 8          {res['decode_tok_s_b8']:.1f} tok/s")
     if "long_decode_ms" in res:
+        from benchmarks import attention_rate
+
         print(f"decode step at {res['long_context']} ctx {res['long_decode_ms']:.2f} ms "
               f"({res['long_decode_ms'] / res['verify_ms'][1]:.2f}x the step at {res['context']})")
+        attention_rate.report(res.get("long_attention"))
     from benchmarks import compute_rate
 
     compute_rate.report(res["compute_rate"], res["numerics"])

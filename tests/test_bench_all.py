@@ -41,6 +41,9 @@ def test_report_json_has_every_section(out):
     assert [int(t) for t in model["verify_ms"]] == list(VERIFY_TS) and model["floor_ms"] > 0
     assert model["decode_tok_s_b1"] > 0 and model["context"] == QUICK["context"]
     assert model["prefill_tokens"] == QUICK["prefill_tokens"] and model["long_context"] == QUICK["long_context"]
+    attention = model["long_attention"]  # the long step's attention, cold, against a plain read of its K/V
+    assert attention["context"] == QUICK["long_context"] and attention["kv_mb"] > 0
+    assert attention["attention_ms"] > 0 and attention["read_ms"] > 0
     rate = model["compute_rate"]
     assert rate["peak_gmacs"] > 0 and all(g > 0 for g in rate["products_gmacs"].values())
     assert list(spec["methods"]) == ["none", "ngram"] and list(spec["config"]["modes"]) == ["batch1", "concurrent"]
