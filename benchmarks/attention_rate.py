@@ -21,6 +21,8 @@ from engine.kernels.attention_split import decode_attention, splits
 from engine.kernels.attention_vec import cache_parts
 from engine.kernels.simd import f32_add, f32_hsum, f32_zero, row_f32
 
+_ATTEND_P = _ATTENTION_VEC[1]  # the vector kernel's parallel build, as a layer binds it (`_attend_p`)
+
 
 @nb.njit
 def _attend_all(ks, vs, qkv, cu_q, positions, tables, num_heads, scale, out, threads, split):
@@ -29,7 +31,7 @@ def _attend_all(ks, vs, qkv, cu_q, positions, tables, num_heads, scale, out, thr
         if split:
             decode_attention(qkv, ks[i], vs[i], cu_q, positions, tables, num_heads, scale, 0, out, threads)
         else:
-            _ATTENTION_VEC[1](qkv, ks[i], vs[i], cu_q, positions, tables, num_heads, scale, 0, out, threads)
+            _ATTEND_P(qkv, ks[i], vs[i], cu_q, positions, tables, num_heads, scale, 0, out, threads)
 
 
 @nb.njit(parallel=True)
