@@ -10,12 +10,11 @@ to the machine's read rate.
 
 from __future__ import annotations
 
-import time
-
 import numba as nb
 import numpy as np
 from numba.typed import List
 
+from benchmarks.compute_rate import _timed
 from engine.kernels.attention import _ATTENTION_VEC, vector_shapes
 from engine.kernels.attention_split import decode_attention, splits
 from engine.kernels.attention_vec import cache_parts
@@ -94,12 +93,6 @@ def measure(runner, context: int, table: list[int], repeats: int = 7) -> dict | 
     nbytes = sum(len(arrays) * kv * run * arrays[0].itemsize for arrays, _, run in reads)
     return {"context": context, "kv_mb": nbytes / 1e6, "split": split,
             "attention_ms": 1000 * float(np.median(attend)), "read_ms": 1000 * float(np.median(read))}
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def report(rate: dict | None) -> None:
