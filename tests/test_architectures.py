@@ -113,20 +113,43 @@ def test_fixture_tokenizer_loads(arch):
     assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
 
 
-def _small_phi3(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    """A phi3 GGUF with the hyperparameters the loader reads and only `tensors`."""
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 64), (writer.add_head_count, 4),
-                       (writer.add_feed_forward_length, 128), (writer.add_layer_norm_rms_eps, 1e-5),
-                       (writer.add_context_length, 128)):
+def _small_file(path: Path, tensors: dict[str, np.ndarray], arch: str = "phi3", layers: int = 1, hidden: int = 64,
+                heads: int = 4, head_dim: int | None = None) -> Path:
+    """A GGUF of `arch` with the hyperparameters the loader reads and only `tensors` (and a token_embd)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((writer.add_block_count, layers), (writer.add_embedding_length, hidden),
+                       (writer.add_head_count, heads), (writer.add_feed_forward_length, 128),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_context_length, 128),
+                       (writer.add_key_length, head_dim or hidden // heads),
+                       (writer.add_value_length, head_dim or hidden // heads), (writer.add_sliding_window, 512)):
         add(value)
-    for name, value in {"token_embd.weight": np.zeros((300, 64), np.float32), **tensors}.items():
+    for name, value in {"token_embd.weight": np.zeros((300 if hidden <= 64 else 2, hidden), np.float32),
+                        **tensors}.items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Google's published configs (config.json): block count, hidden size, query heads, head_dim, query_pre_attn_scalar
+GEMMA_CONFIGS = {
+    "gemma-2-2b": ("gemma2", 26, 2304, 8, 256, 256), "gemma-2-9b": ("gemma2", 42, 3584, 16, 256, 256),
+    "gemma-2-27b": ("gemma2", 46, 4608, 32, 128, 144), "gemma-3-270m": ("gemma3", 18, 640, 4, 256, 256),
+    "gemma-3-1b": ("gemma3", 26, 1152, 4, 256, 256), "gemma-3-4b": ("gemma3", 34, 2560, 8, 256, 256),
+    "gemma-3-12b": ("gemma3", 48, 3840, 16, 256, 256), "gemma-3-27b": ("gemma3", 62, 5376, 32, 128, 168),
+}
+
+
+@pytest.mark.parametrize("name", GEMMA_CONFIGS)
+def test_gemma_attention_scale_follows_query_pre_attn_scalar(tmp_path, name):
+    """A Gemma file's scores are scaled by query_pre_attn_scalar ** -0.5, which GGUF does not carry: it is
+    head_dim's at every size but 27B, where it is hidden / heads (llama.cpp picks it by the block count)."""
+    arch, layers, hidden, heads, head_dim, scalar = GEMMA_CONFIGS[name]
+    cfg = GGUFModel(_small_file(tmp_path / f"{name}.gguf", {}, arch, layers, hidden, heads, head_dim)).config
+    assert cfg.head_dim == head_dim
+    assert np.float32(cfg.attention_scale or 1.0 / np.sqrt(cfg.head_dim)) == np.float32(1.0 / np.sqrt(scalar))
 
 
 def test_phi3_stacks_its_fused_tensors_and_picks_its_longrope_factors(tmp_path):
@@ -143,8 +166,8 @@ def test_phi3_stacks_its_fused_tensors_and_picks_its_longrope_factors(tmp_path):
     np.testing.assert_array_equal(model.rope_freq_factors(5), [1.0, 3.0, 9.0, 27.0])
     assert model.config.rope_dim == 8 and model.config.head_dim == 16
     assert model.config.rope_attn_factor == pytest.approx(np.sqrt(1 + np.log(32) / np.log(4)))
-    short = GGUFModel(_small_phi3(tmp_path / "short.gguf", {"blk.0.ffn_up.weight": np.zeros((128, 64), np.float32)}))
+    short = GGUFModel(_small_file(tmp_path / "short.gguf", {"blk.0.ffn_up.weight": np.zeros((128, 64), np.float32)}))
     with pytest.raises(ValueError, match="ffn_up.weight has 128 rows"):
         short.stacked_names(0, "gate_up")
     with pytest.raises(ValueError, match="rope_factors_short"):
-        GGUFModel(_small_phi3(tmp_path / "half.gguf", {"rope_factors_long.weight": np.ones(8, np.float32)}))
+        GGUFModel(_small_file(tmp_path / "half.gguf", {"rope_factors_long.weight": np.ones(8, np.float32)}))

@@ -22,6 +22,10 @@ people download load as they are:
               the period per architecture (no GGUF key), 0: every layer rotates.
   residual_scale  each sublayer's output times `{arch}.residual_scale` before the residual add (Granite;
               its `embedding_scale`, `attention.scale` and `logit_scale` are read for any architecture).
+  width_scaled_at  block counts at which attention scores are scaled by 1/sqrt(hidden // heads) instead of
+              1/sqrt(head_dim) when the file gives no `{arch}.attention.scale`: Gemma 2 and 3 27B, whose
+              query_pre_attn_scalar is hidden / heads (144, 168). GGUF has no key for it, so llama.cpp picks
+              it by model size, which it reads from the block count (46, 62); so do we.
 
 Gemma's norm weights are stored in GGUF with its "1 +" already added, so every norm is x*w here.
 """
@@ -47,9 +51,14 @@ class Architecture:
     swa_rope_base: float = 0.0
     no_rope_period: int = 0
     residual_scale: bool = False
+    width_scaled_at: tuple[int, ...] = ()
 
     def __post_init__(self):
         assert self.rope in ROPE_STYLES and self.activation in ACTIVATIONS, self
+
+    def attention_scale(self, num_layers: int, hidden: int, num_heads: int) -> float:
+        """The scores' scale a file without `{arch}.attention.scale` implies; 0: 1 / sqrt(head_dim)."""
+        return 1.0 / (hidden // num_heads) ** 0.5 if num_layers in self.width_scaled_at else 0.0
 
     def rotates(self, layer: int) -> bool:
         """Whether `layer` applies RoPE to q and k."""
@@ -71,9 +80,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("phi3", rope="neox"),
         # Gemma 2: its attention and output logits soft-capped (the file's attn_logit_softcapping and
         # final_logit_softcapping), every other layer (0, 2, ...) on the sliding window
-        Architecture("gemma2", rope="neox", post_norms=True, activation="gelu_tanh", embed_scale=True, swa_pattern=2),
+        Architecture("gemma2", rope="neox", post_norms=True, activation="gelu_tanh", embed_scale=True, swa_pattern=2,
+                     width_scaled_at=(46,)),
         Architecture("gemma3", rope="neox", qk_norm=True, post_norms=True, activation="gelu_tanh",
-                     embed_scale=True, swa_pattern=6, swa_rope_base=10_000.0),
+                     embed_scale=True, swa_pattern=6, swa_rope_base=10_000.0, width_scaled_at=(62,)),
     )
 }
 
