@@ -18,6 +18,7 @@ import numpy as np
 from engine.engine_setup import EngineParts, build_engine_parts
 from engine.errors import InvalidRequest
 from engine.core.output_processor import OutputState, make_output
+from engine.core.penalties import LogitBias, apply_penalties, has_penalties
 from engine.serving.protocol import Generate, Output, WorkerStats
 from engine.spec_decode.proposer_pool import ProposerPool
 from engine.core.request_input import prompt_token_ids, validate_params
@@ -53,6 +54,8 @@ class LLMEngine:
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_grammar_tokens": 0}
         self.grammars = Grammars(self.tokenizer, parts.runner.config.vocab_size)
         self.forced: dict[str, list[int]] = {}  # this step: request -> the tokens its grammar forces next
+        self.penalized: set[str] = set()  # requests with penalties or a logit bias (engine/core/penalties.py)
+        self.biases: dict[str, LogitBias] = {}  # their logit_bias, as arrays
         self.spec_logger = SpecLogger()
 
     @classmethod
@@ -70,11 +73,18 @@ class LLMEngine:
         self.proposers.get(msg.params.speculative_method)  # an unknown method is refused before anything starts
         ids = prompt_token_ids(msg, self.tokenizer)
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
+        if has_penalties(msg.params) and not self.runner.supports_grammars:
+            raise InvalidRequest("presence_penalty, frequency_penalty and logit_bias run on the CPU backend only",
+                                 "logit_bias" if msg.params.logit_bias else "presence_penalty")
         if msg.params.grammar is not None:
             if not self.runner.supports_grammars:
                 raise InvalidRequest("response_format: constrained decoding runs on the CPU backend only",
                                      "response_format")
             self.grammars.start(msg.request_id, msg.params.grammar)
+        if has_penalties(msg.params):
+            self.penalized.add(msg.request_id)
+            if msg.params.logit_bias:
+                self.biases[msg.request_id] = LogitBias(msg.params.logit_bias)
         seq = Sequence(msg.request_id, ids, msg.params, self.max_model_len + self.num_speculative_tokens + 1)
         self.seqs[seq.request_id] = seq
         self.states[seq.request_id] = OutputState(self.tokenizer, seq, self.max_model_len)
@@ -95,6 +105,8 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self.penalized.discard(seq.request_id)
+        self.biases.pop(seq.request_id, None)
         self.seqs.pop(seq.request_id, None)
         self.states.pop(seq.request_id, None)
         self.proposers.stop(seq.request_id)
@@ -109,13 +121,22 @@ class LLMEngine:
         drafts = self.propose(sched)
         batch = self.step_batch.build(sched, drafts)
         logits = self.runner.forward(batch.forward)  # [num_logits, vocab]
-        if self.grammars.matchers:  # row j of a request under a grammar: its state after drafts 0..j-1
-            self.grammars.mask_rows(logits, batch.grammar_runs(sched, self.grammars.matchers))
+        self.process_logits(sched, batch, logits)
         self.step_batch.verify(logits, self.spec)
         outputs = self.accept_and_emit(sched, logits)
         if self.proposer is not None:
             self.spec_logger.maybe_log(self.totals, self.accepted_per_pos)
         return outputs
+
+    def process_logits(self, sched: list[ScheduledSeq], batch: StepBatch, logits: np.ndarray) -> None:
+        """Penalties and logit_bias, then grammar masks, in place: row j of a request's run follows its
+        tokens and drafts 0..j-1, so it is what plain decoding would sample that position from."""
+        if self.penalized:
+            apply_penalties(logits, batch.sampling_runs(sched, lambda s: s.request_id in self.penalized), self.biases)
+        if self.grammars.matchers:
+            matchers = self.grammars.matchers
+            runs = batch.sampling_runs(sched, lambda s: s.request_id in matchers)
+            self.grammars.mask_rows(logits, [(s.request_id, lo, drafts) for s, lo, drafts in runs])
 
     def schedule(self) -> list[ScheduledSeq]:
         self.controller.start_step()

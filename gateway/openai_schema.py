@@ -199,7 +199,7 @@ def _decode(decoder: msgspec.json.Decoder, body: bytes):
 def param_from_error(message: str) -> str | None:
     """The field a msgspec error points at, in OpenAI's dotted form (`messages[0].role`)."""
     path_match = _PATH_RE.search(message)
-    path = path_match.group(1) if path_match else ""
+    path = path_match.group(1).replace("[...]", "") if path_match else ""  # [...]: a value of a JSON object
     missing = _MISSING_RE.search(message)
     if missing:
         path = f"{path}.{missing.group(1)}" if path else missing.group(1)

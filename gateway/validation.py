@@ -2,7 +2,8 @@
 
 Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
-a per-request speculation cap `speculative.n_max` in 0..64, and `speculative.method` a proposer name.
+a per-request speculation cap `speculative.n_max` in 0..64, `speculative.method` a proposer name, and at
+most 1,024 tokens in `logit_bias`.
 Output constraints (`response_format`, `speculant.regex` / `speculant.grammar`) are compiled and
 checked in `gateway.constraints`; tools and tool_choice in `gateway.tools` and `gateway.tool_grammar`.
 """
@@ -27,6 +28,7 @@ MAX_STOP_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SPEC_TOKENS = 64
+MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -87,8 +89,24 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         num_speculative_tokens=_spec_cap(req),
         speculative_method=_spec_method(req),
         include_provenance=opts.provenance,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(req.logit_bias),
         grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) -> a bias in -100..100 added to that logit."""
+    bias = bias or {}
+    _require(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+    out = {}
+    for key, value in bias.items():
+        _require(key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID, "logit_bias",
+                 f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        _require(-100.0 <= value <= 100.0, "logit_bias", "logit_bias values must be between -100 and 100")
+        out[int(key)] = float(value)
+    return out
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -133,8 +151,6 @@ def _common_checks(req: SamplingRequest) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         _require(value is None or -2.0 <= value <= 2.0, name, f"{name} must be between -2 and 2")
-        _unsupported(not value, name, f"{name} is not supported (only 0)")
-    _unsupported(not req.logit_bias, "logit_bias", "logit_bias is not supported")
     _require(bool(req.stream) or req.stream_options is None, "stream_options",
              "stream_options can only be set when stream is true")
     _require(req.max_tokens is None or req.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")

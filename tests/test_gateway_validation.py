@@ -62,9 +62,13 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "a", "speculative": {"n_max": -1}}, "speculative.n_max"),
     ("completions", {"prompt": "a", "speculative.n_max": 65}, "speculative.n_max"),
-    ("completions", {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"prompt": "a", "presence_penalty": -2.5}, "presence_penalty"),
     ("completions", {"prompt": "a", "frequency_penalty": 3}, "frequency_penalty"),
-    ("completions", {"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"-5": 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"a": 1.0}}, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias"),
+    ("completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
     ("completions", {"prompt": "a", "model": 5}, "model"),
     ("completions", {"max_tokens": 4}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -129,7 +133,8 @@ async def test_unparseable_body_is_400(client, raw):
 
 @pytest.mark.parametrize("extra", [{}, {"response_format": {"type": "json_object"}},
                                    {"speculant": {"regex": "[0-9]+", "provenance": True}},
-                                   {"tools": [TOOL], "tool_choice": "required"}])
+                                   {"tools": [TOOL], "tool_choice": "required"},
+                                   {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503

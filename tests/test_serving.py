@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import aiohttp
 import openai
@@ -100,6 +101,28 @@ def test_speculation_stats_reach_usage_and_metrics(cluster, client, model):
                                     extra_body={"speculative": {"n_max": 0}})
     assert off.usage.model_extra["speculative"]["num_drafts"] == 0  # per-request cap 0 turns drafting off
     assert off.choices[0].text == reply.choices[0].text  # greedy speculation is lossless
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(client, model, tokenizer):
+    """OpenAI's logit_bias and presence / frequency penalties reach the worker (which drafts n-grams here): a
+    +100 bias makes greedy decoding emit that token every time; the penalties make a repetitive answer repeat
+    its commonest token less; with drafting off the penalized text is the same (speculation stays lossless)."""
+    (banana,) = tokenizer.encode(" banana")
+    biased = client.completions.create(model=model, prompt="My favourite fruit:", max_tokens=6, temperature=0,
+                                       logit_bias={str(banana): 100})
+    assert biased.choices[0].text == " banana" * 6
+    prompt = "Repeat this line ten times: red green blue red green blue red green blue"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0)
+    kw = dict(model=model, prompt=prompt, max_tokens=48, temperature=0, frequency_penalty=1.0, presence_penalty=0.5)
+    penalized = client.completions.create(**kw)
+    assert penalized.usage.model_extra["speculative"]["num_drafts"] > 0
+    off = client.completions.create(**kw, extra_body={"speculative": {"n_max": 0}})
+    assert off.choices[0].text == penalized.choices[0].text
+
+    def commonest(text: str) -> int:
+        return max(Counter(tokenizer.encode(text)).values())
+
+    assert commonest(penalized.choices[0].text) < commonest(plain.choices[0].text)
 
 
 async def read_events(resp: aiohttp.ClientResponse, count: int) -> list[dict]:

@@ -76,6 +76,21 @@ def test_multi_token_steps_respect_stops(spec_engine, reference):
     assert capped.token_ids == ref.token_ids[:7] and capped.finish_reason == "length"
 
 
+PENALIZED = SamplingParams(max_tokens=48, temperature=0.0, frequency_penalty=0.6, presence_penalty=0.4,
+                           logit_bias={28: -5.0, 30: 2.0})
+
+
+def test_penalties_and_logit_bias_identical_to_non_speculative(spec_engine, engine, reference):
+    """OpenAI's penalties count the drafts a verify row follows (engine/core/penalties.py): with them and a
+    logit_bias, speculative output still equals plain decoding with the same parameters, token for token."""
+    want = [generate(engine, [p], PENALIZED)[0] for p in PROMPTS]
+    got = [generate(spec_engine, [p], PENALIZED)[0] for p in PROMPTS]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [w.token_ids for w in want] != [r.token_ids for r in reference]  # the penalties changed the outputs
+    if spec_engine.spec_method != "naive":
+        assert sum(g.num_accepted_tokens for g in got) > 0, "no draft passed: the test proves nothing"
+
+
 def test_per_request_cap_disables_drafting(spec_engine, reference):
     params = SamplingParams(max_tokens=48, temperature=0.0, num_speculative_tokens=0)
     got = generate(spec_engine, [PROMPTS[0]], params)[0]

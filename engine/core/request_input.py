@@ -57,5 +57,12 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
         raise InvalidRequest("stop_token_ids must be token ids of this model's vocabulary", "stop_token_ids")
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not (math.isfinite(getattr(p, name)) and -2.0 <= getattr(p, name) <= 2.0):
+            raise InvalidRequest(f"{name} must be between -2 and 2", name)
+    if any(not 0 <= t < vocab_size for t in p.logit_bias):
+        raise InvalidRequest("logit_bias keys must be token ids of this model's vocabulary", "logit_bias")
+    if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in p.logit_bias.values()):
+        raise InvalidRequest("logit_bias values must be between -100 and 100", "logit_bias")
     if p.num_speculative_tokens is not None and not 0 <= p.num_speculative_tokens <= 64:
         raise InvalidRequest("speculative.n_max must be between 0 and 64", "speculative")

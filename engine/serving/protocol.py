@@ -34,6 +34,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # Constrained decoding: an llguidance grammar (the JSON the gateway builds from response_format or
     # the `speculant` regex / grammar extension, already validated there). None = unconstrained.
     grammar: str | None = None
+    # OpenAI's penalties over the generated tokens and its logit_bias (token id -> added to that logit);
+    # engine/core/penalties.py
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
 
 
 class ChatMessage(msgspec.Struct, frozen=True):

@@ -102,14 +102,14 @@ class StepBatch:
             return STRATEGY_IDS[spec.strategy_for(temperature)]
         return GREEDY if temperature == 0 else REJECTION
 
-    def grammar_runs(self, sched, under_grammar) -> list[tuple[str, int, np.ndarray]]:
-        """(request, first logits row, its drafts) of the sampling requests in `under_grammar`."""
+    def sampling_runs(self, sched, wanted) -> list[tuple]:
+        """(sequence, first logits row, its drafts) of the sampling requests for which wanted(sequence)."""
         runs = []
         for i, item in enumerate(sched):
             r = self.slot_of_item[i]
-            if r >= 0 and item.seq.request_id in under_grammar:
+            if r >= 0 and wanted(item.seq):
                 lo, hi = int(self.cu_rows[r]), int(self.cu_rows[r + 1])
-                runs.append((item.seq.request_id, lo, self.draft_ids[lo - r : hi - r - 1]))
+                runs.append((item.seq, lo, self.draft_ids[lo - r : hi - r - 1]))
         return runs
 
     def result(self, item_index: int):
