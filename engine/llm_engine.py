@@ -18,7 +18,7 @@ import numpy as np
 from engine.engine_setup import EngineParts, build_engine_parts
 from engine.errors import InvalidRequest
 from engine.core.output_processor import OutputState, make_output
-from engine.core.penalties import LogitBias, apply_penalties, has_penalties
+from engine.core.logits_processing import LogitBias, process_rows, processing_field
 from engine.serving.protocol import Generate, Output, WorkerStats
 from engine.spec_decode.proposer_pool import ProposerPool
 from engine.core.request_input import prompt_token_ids, validate_params
@@ -54,7 +54,7 @@ class LLMEngine:
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_grammar_tokens": 0}
         self.grammars = Grammars(self.tokenizer, parts.runner.config.vocab_size)
         self.forced: dict[str, list[int]] = {}  # this step: request -> the tokens its grammar forces next
-        self.penalized: set[str] = set()  # requests with penalties or a logit bias (engine/core/penalties.py)
+        self.processed: set[str] = set()  # requests with penalties, a logit bias or min_p (logits_processing)
         self.biases: dict[str, LogitBias] = {}  # their logit_bias, as arrays
         self.spec_logger = SpecLogger()
 
@@ -73,16 +73,16 @@ class LLMEngine:
         self.proposers.get(msg.params.speculative_method)  # an unknown method is refused before anything starts
         ids = prompt_token_ids(msg, self.tokenizer)
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
-        if has_penalties(msg.params) and not self.runner.supports_grammars:
-            raise InvalidRequest("presence_penalty, frequency_penalty and logit_bias run on the CPU backend only",
-                                 "logit_bias" if msg.params.logit_bias else "presence_penalty")
+        processing = processing_field(msg.params)
+        if processing and not self.runner.supports_grammars:
+            raise InvalidRequest(f"{processing}: penalties, logit_bias and min_p run on the CPU backend only", processing)
         if msg.params.grammar is not None:
             if not self.runner.supports_grammars:
                 raise InvalidRequest("response_format: constrained decoding runs on the CPU backend only",
                                      "response_format")
             self.grammars.start(msg.request_id, msg.params.grammar)
-        if has_penalties(msg.params):
-            self.penalized.add(msg.request_id)
+        if processing:
+            self.processed.add(msg.request_id)
             if msg.params.logit_bias:
                 self.biases[msg.request_id] = LogitBias(msg.params.logit_bias)
         seq = Sequence(msg.request_id, ids, msg.params, self.max_model_len + self.num_speculative_tokens + 1)
@@ -105,7 +105,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.penalized.discard(seq.request_id)
+        self.processed.discard(seq.request_id)
         self.biases.pop(seq.request_id, None)
         self.seqs.pop(seq.request_id, None)
         self.states.pop(seq.request_id, None)
@@ -129,14 +129,14 @@ class LLMEngine:
         return outputs
 
     def process_logits(self, sched: list[ScheduledSeq], batch: StepBatch, logits: np.ndarray) -> None:
-        """Penalties and logit_bias, then grammar masks, in place: row j of a request's run follows its
+        """Grammar masks, then penalties, logit_bias and min_p, in place: row j of a request's run follows its
         tokens and drafts 0..j-1, so it is what plain decoding would sample that position from."""
-        if self.penalized:
-            apply_penalties(logits, batch.sampling_runs(sched, lambda s: s.request_id in self.penalized), self.biases)
         if self.grammars.matchers:
             matchers = self.grammars.matchers
             runs = batch.sampling_runs(sched, lambda s: s.request_id in matchers)
             self.grammars.mask_rows(logits, [(s.request_id, lo, drafts) for s, lo, drafts in runs])
+        if self.processed:
+            process_rows(logits, batch.sampling_runs(sched, lambda s: s.request_id in self.processed), self.biases)
 
     def schedule(self) -> list[ScheduledSeq]:
         self.controller.start_step()

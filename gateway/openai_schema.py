@@ -78,6 +78,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    min_p: float | None = None  # vLLM's and llama.cpp's extension
     user: str | None = None
     speculative: SpeculativeOptions | None = None
     speculative_n_max: int | None = msgspec.field(name="speculative.n_max", default=None)

@@ -92,6 +92,8 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=_logit_bias(req.logit_bias),
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
         grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
     )
 
@@ -151,6 +153,9 @@ def _common_checks(req: SamplingRequest) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         _require(value is None or -2.0 <= value <= 2.0, name, f"{name} must be between -2 and 2")
+    rp = req.repetition_penalty
+    _require(rp is None or 0.0 < rp <= 2.0, "repetition_penalty", "repetition_penalty must be in (0, 2]")
+    _require(req.min_p is None or 0.0 <= req.min_p <= 1.0, "min_p", "min_p must be between 0 and 1")
     _require(bool(req.stream) or req.stream_options is None, "stream_options",
              "stream_options can only be set when stream is true")
     _require(req.max_tokens is None or req.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")

@@ -65,6 +65,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "presence_penalty": -2.5}, "presence_penalty"),
     ("completions", {"prompt": "a", "frequency_penalty": 3}, "frequency_penalty"),
     ("completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ("chat/completions", {"messages": CHAT, "repetition_penalty": 2.5}, "repetition_penalty"),
+    ("completions", {"prompt": "a", "min_p": 1.5}, "min_p"),
+    ("chat/completions", {"messages": CHAT, "min_p": -0.1}, "min_p"),
     ("completions", {"prompt": "a", "logit_bias": {"-5": 1.0}}, "logit_bias"),
     ("completions", {"prompt": "a", "logit_bias": {"a": 1.0}}, "logit_bias"),
     ("completions", {"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias"),
@@ -134,7 +138,8 @@ async def test_unparseable_body_is_400(client, raw):
 @pytest.mark.parametrize("extra", [{}, {"response_format": {"type": "json_object"}},
                                    {"speculant": {"regex": "[0-9]+", "provenance": True}},
                                    {"tools": [TOOL], "tool_choice": "required"},
-                                   {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}}])
+                                   {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}},
+                                   {"repetition_penalty": 1.2, "min_p": 0.05}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503

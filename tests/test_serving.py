@@ -104,9 +104,10 @@ def test_speculation_stats_reach_usage_and_metrics(cluster, client, model):
 
 
 def test_penalties_and_logit_bias_through_the_openai_client(client, model, tokenizer):
-    """OpenAI's logit_bias and presence / frequency penalties reach the worker (which drafts n-grams here): a
-    +100 bias makes greedy decoding emit that token every time; the penalties make a repetitive answer repeat
-    its commonest token less; with drafting off the penalized text is the same (speculation stays lossless)."""
+    """OpenAI's logit_bias and presence / frequency penalties and vLLM's repetition_penalty reach the worker (which
+    drafts n-grams here): a +100 bias makes greedy decoding emit that token every time; the penalties make a
+    repetitive answer repeat its commonest token less; with drafting off the penalized text is the same
+    (speculation stays lossless)."""
     (banana,) = tokenizer.encode(" banana")
     biased = client.completions.create(model=model, prompt="My favourite fruit:", max_tokens=6, temperature=0,
                                        logit_bias={str(banana): 100})
@@ -118,11 +119,13 @@ def test_penalties_and_logit_bias_through_the_openai_client(client, model, token
     assert penalized.usage.model_extra["speculative"]["num_drafts"] > 0
     off = client.completions.create(**kw, extra_body={"speculative": {"n_max": 0}})
     assert off.choices[0].text == penalized.choices[0].text
+    repetition = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0,
+                                           extra_body={"repetition_penalty": 1.3})
 
-    def commonest(text: str) -> int:
-        return max(Counter(tokenizer.encode(text)).values())
+    def commonest(reply) -> int:
+        return max(Counter(tokenizer.encode(reply.choices[0].text)).values())
 
-    assert commonest(penalized.choices[0].text) < commonest(plain.choices[0].text)
+    assert max(commonest(penalized), commonest(repetition)) < commonest(plain)
 
 
 async def read_events(resp: aiohttp.ClientResponse, count: int) -> list[dict]:

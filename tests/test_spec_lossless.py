@@ -77,11 +77,11 @@ def test_multi_token_steps_respect_stops(spec_engine, reference):
 
 
 PENALIZED = SamplingParams(max_tokens=48, temperature=0.0, frequency_penalty=0.6, presence_penalty=0.4,
-                           logit_bias={28: -5.0, 30: 2.0})
+                           repetition_penalty=1.1, logit_bias={28: -5.0, 30: 2.0})
 
 
 def test_penalties_and_logit_bias_identical_to_non_speculative(spec_engine, engine, reference):
-    """OpenAI's penalties count the drafts a verify row follows (engine/core/penalties.py): with them and a
+    """The penalties count the drafts a verify row follows (engine/core/logits_processing.py): with them and a
     logit_bias, speculative output still equals plain decoding with the same parameters, token for token."""
     want = [generate(engine, [p], PENALIZED)[0] for p in PROMPTS]
     got = [generate(spec_engine, [p], PENALIZED)[0] for p in PROMPTS]

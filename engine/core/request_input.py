@@ -60,6 +60,10 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
     for name in ("presence_penalty", "frequency_penalty"):
         if not (math.isfinite(getattr(p, name)) and -2.0 <= getattr(p, name) <= 2.0):
             raise InvalidRequest(f"{name} must be between -2 and 2", name)
+    if not (math.isfinite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= 2.0):
+        raise InvalidRequest("repetition_penalty must be in (0, 2]", "repetition_penalty")
+    if not (math.isfinite(p.min_p) and 0.0 <= p.min_p <= 1.0):
+        raise InvalidRequest("min_p must be between 0 and 1", "min_p")
     if any(not 0 <= t < vocab_size for t in p.logit_bias):
         raise InvalidRequest("logit_bias keys must be token ids of this model's vocabulary", "logit_bias")
     if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in p.logit_bias.values()):

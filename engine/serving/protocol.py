@@ -34,11 +34,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # Constrained decoding: an llguidance grammar (the JSON the gateway builds from response_format or
     # the `speculant` regex / grammar extension, already validated there). None = unconstrained.
     grammar: str | None = None
-    # OpenAI's penalties over the generated tokens and its logit_bias (token id -> added to that logit);
-    # engine/core/penalties.py
+    # OpenAI's penalties and logit_bias (token id -> added to that logit), vLLM's repetition_penalty and
+    # min_p (0 = off): engine/core/logits_processing.py
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = {}
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
 
 class ChatMessage(msgspec.Struct, frozen=True):

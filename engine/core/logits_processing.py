@@ -1,0 +1,70 @@
+"""Penalties, logit_bias and min_p, applied in place to the logits rows a step samples from.
+
+For a row that follows a request's tokens, in float32 and in this order (the parameters at their defaults
+skip their part):
+
+    repetition_penalty r (vLLM's): each token seen in the prompt or the generated text:
+        logit / r if logit > 0, else logit * r
+    frequency_penalty f, presence_penalty p (OpenAI's): with c[t] the times t occurs in the generated text
+        (the prompt does not count, as in OpenAI's definition and vLLM's):
+        logit[t] -= f * c[t] + p * (c[t] > 0)
+    logit_bias (OpenAI's): logit[t] += bias[t]
+    min_p m (at temperature T > 0; vLLM's and llama.cpp's): a token whose probability at T is below
+        m times the most likely one's is removed (-inf): logit < max + T * log(m)
+
+A verify step holds a request's rows 0..k: row j follows its tokens and then drafts 0..j-1, so row j
+counts those drafts too. Each row thus gets the logits plain decoding samples that position from: greedy
+speculative output stays identical to plain output, and the rejection test (and the residual a rejected
+draft is resampled from) uses the processed target. A grammar's mask comes first (engine/llm_engine.py),
+so min_p measures against the most likely allowed token. Logprobs are those of the processed logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.serving.protocol import SamplingParams
+
+
+def processing_field(params: SamplingParams) -> str | None:
+    """The first parameter that has a request's logits rows processed here; None: they need nothing."""
+    asks = (("repetition_penalty", params.repetition_penalty != 1.0), ("presence_penalty", params.presence_penalty),
+            ("frequency_penalty", params.frequency_penalty), ("logit_bias", params.logit_bias),
+            ("min_p", params.min_p and params.temperature > 0))
+    return next((name for name, asked in asks if asked), None)
+
+
+class LogitBias:
+    """A request's logit_bias as (token ids, float32 biases), built once per request."""
+
+    __slots__ = ("ids", "values")
+
+    def __init__(self, bias: dict[int, float]):
+        self.ids = np.fromiter(bias.keys(), np.int64, len(bias))  # [B]
+        self.values = np.fromiter(bias.values(), np.float32, len(bias))  # [B]
+
+
+def process_rows(logits: np.ndarray, runs, biases: dict[str, LogitBias]) -> None:
+    """runs: (sequence, first row, drafts) of each sampling request that needs processing
+    (StepBatch.sampling_runs); biases: request id -> its LogitBias."""
+    for seq, first, drafts in runs:
+        tokens = seq.token_ids[: seq.num_tokens]  # prompt + generated
+        for j in range(1 + len(drafts)):
+            seen = np.concatenate([tokens, drafts[:j]]) if j else tokens
+            _process(logits[first + j], seen, seq.num_prompt_tokens, seq.params, biases.get(seq.request_id))
+
+
+def _process(row: np.ndarray, seen: np.ndarray, num_prompt: int, p: SamplingParams, bias: LogitBias | None) -> None:
+    """One row [vocab] after the tokens `seen` (its first num_prompt: the prompt's)."""
+    if p.repetition_penalty != 1.0:
+        ids = np.unique(seen)
+        values = row[ids]
+        r = np.float32(p.repetition_penalty)
+        row[ids] = np.where(values > 0, values / r, values * r)
+    if p.presence_penalty or p.frequency_penalty:
+        ids, counts = np.unique(seen[num_prompt:], return_counts=True)
+        row[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
+    if bias is not None:
+        row[bias.ids] += bias.values
+    if p.min_p and p.temperature > 0:
+        row[row < row.max() + np.float32(p.temperature * np.log(p.min_p))] = -np.inf

@@ -1,0 +1,150 @@
+"""Penalties, logit_bias and min_p (engine/core/logits_processing.py), against references written here from
+the parameters' definitions: repetition_penalty r (vLLM): a seen token's logit / r if positive, else * r;
+OpenAI's logit -= frequency * c + presence * (c > 0), c its count among the generated tokens, then += logit_bias;
+min_p m at temperature T: a token below max + T * log(m) is removed."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+from engine.core.logits_processing import LogitBias, process_rows
+from engine.generate import generate
+from engine.serving.protocol import Generate, SamplingParams
+
+F32 = np.float32
+
+
+def processed(logits: np.ndarray, prompt: list[int], generated: list[int], p: SamplingParams) -> np.ndarray:
+    """One row processed token by token, each parameter as its documentation writes it (float32 throughout)."""
+    out = logits.copy()
+    for token in set(prompt) | set(generated):
+        if p.repetition_penalty != 1.0:
+            r = F32(p.repetition_penalty)
+            out[token] = out[token] / r if out[token] > 0 else out[token] * r
+    for token, count in Counter(generated).items():
+        out[token] = out[token] - (F32(p.frequency_penalty) * F32(count) + F32(p.presence_penalty))
+    for token, bias in p.logit_bias.items():
+        out[token] = out[token] + F32(bias)
+    if p.min_p and p.temperature > 0:
+        cut = out.max() + F32(p.temperature * np.log(p.min_p))
+        out[[t for t in range(len(out)) if out[t] < cut]] = -np.inf
+    return out
+
+
+def test_each_verify_row_counts_the_drafts_before_it():
+    """Row j of a verify run follows the request's tokens and drafts 0..j-1; the frequency and presence
+    penalties skip the prompt's tokens, the repetition penalty does not."""
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.7, frequency_penalty=0.7, presence_penalty=-0.3, repetition_penalty=1.3,
+                            min_p=0.05, logit_bias={3: 5.0, 11: -100.0})
+    prompt, generated, drafts = [3, 3, 4, 12], [5, 6, 5, 9], np.array([5, 3, 7], np.int32)
+    seq = SimpleNamespace(request_id="r", params=params, num_prompt_tokens=len(prompt),
+                          num_tokens=len(prompt) + len(generated), token_ids=np.array(prompt + generated + [0] * 8))
+    logits = (3 * rng.standard_normal((6, 16))).astype(np.float32)  # [rows, vocab]: rows 1..4 are this request's
+    want = logits.copy()
+    for j in range(1 + len(drafts)):
+        want[1 + j] = processed(logits[1 + j], prompt, generated + drafts[:j].tolist(), params)
+    process_rows(logits, [(seq, 1, drafts)], {"r": LogitBias(params.logit_bias)})
+    np.testing.assert_array_equal(logits, want)
+    assert np.isinf(want[1:5]).any() and not np.isinf(want[1:5]).all(1).any()  # min_p removed some, never all
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, model_path):
+    from tiny_models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("logits") / "tiny.gguf", model_path, seed=3)
+
+
+@pytest.fixture(scope="module")
+def raw_logits(tiny):
+    """ids -> the logits after them, from a runner of our own: each call a fresh forward over the whole sequence
+    (the engine's incremental steps give the same bits: the invariance tests)."""
+    from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
+    from engine.model.gguf_loader import GGUFModel
+
+    cache = CacheConfig(block_size=16, num_blocks=8, max_model_len=128, max_num_seqs=1, max_num_batched_tokens=128)
+    runner = CpuRunner(GGUFModel(tiny), cache, num_threads=2, numerics="int8")
+    batch = ForwardBatch(runner.cache)
+
+    def logits_after(ids: list[int]) -> np.ndarray:
+        batch.clear()
+        batch.add(np.array(ids, np.int32), 0, list(range(8)), 1)
+        return runner.forward(batch)[0].copy()  # [vocab]
+
+    return logits_after
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny):
+    from conftest import engine_args
+
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(engine_args(model=str(tiny), max_model_len=128))
+
+
+PROMPT = [5, 80, 81, 82, 5, 80, 81]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PUSH = {17: 30.0}  # lifts token 17 (~10 against a top logit of ~33) above the rest, so the penalties have work
+CASES = {  # name: (params, the same without what is tested)
+    "frequency": ({"logit_bias": PUSH, "frequency_penalty": 1.5}, {"logit_bias": PUSH}),
+    "presence": ({"logit_bias": PUSH, "presence_penalty": 2.0, "frequency_penalty": 1.0},
+                 {"logit_bias": PUSH, "frequency_penalty": 1.0}),
+    "repetition": ({"logit_bias": {17: 24.0}, "repetition_penalty": 2.0}, {"logit_bias": {17: 24.0}}),
+    "logit_bias": ({"logit_bias": {17: 30.0, 300: -100.0}}, {}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_decoding_follows_the_reference(tiny_engine, raw_logits, case):
+    """The engine (a random tiny model, one token a step) emits what greedy decoding over the reference's
+    processed logits picks, and that differs from what it emits without the parameter under test."""
+    params, without = (msgspec.structs.replace(GREEDY, **fields) for fields in CASES[case])
+    got = generate(tiny_engine, [PROMPT], params)[0].token_ids
+    ids = list(PROMPT)
+    for _ in range(params.max_tokens):
+        ids.append(int(np.argmax(processed(raw_logits(ids), PROMPT, ids[len(PROMPT):], params))))
+    assert got == ids[len(PROMPT):]
+    assert got != generate(tiny_engine, [PROMPT], without)[0].token_ids
+
+
+def test_sampled_tokens_keep_to_min_p_with_drafts(tiny, raw_logits, make_engine):
+    """Sampling at temperature 1 with min_p, the target drafting for itself (draft_model: its drafts follow the
+    unprocessed distribution, so some fall outside min_p and must be rejected): every emitted token keeps to min_p
+    at its position, while without min_p some do not."""
+    engine = make_engine(model=str(tiny), max_model_len=128, speculative_config=json.dumps(
+        {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 3}))
+    sampled = SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True, seed=7)
+
+    def cut_margins(params: SamplingParams) -> list[float]:
+        out = generate(engine, [PROMPT], params)[0]
+        assert out.num_draft_tokens > 0 and out.num_accepted_tokens > 0
+        ids, margins = list(PROMPT), []
+        for token in out.token_ids:
+            logits = raw_logits(ids)
+            margins.append(float(logits[token] - (logits.max() + F32(np.log(0.3)))))
+            ids.append(token)
+        return margins
+
+    assert min(cut_margins(msgspec.structs.replace(sampled, min_p=0.3))) >= 0
+    assert min(cut_margins(sampled)) < 0
+
+
+def test_out_of_range_values_are_refused_by_name(engine):
+    from engine.errors import InvalidRequest
+
+    vocab = engine.tokenizer.vocab_size
+    for fields, param in (({"logit_bias": {vocab: 1.0}}, "logit_bias"), ({"logit_bias": {5: 101.0}}, "logit_bias"),
+                          ({"presence_penalty": 2.5}, "presence_penalty"),
+                          ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p")):
+        with pytest.raises(InvalidRequest) as err:
+            engine.add_request(Generate("bad", SamplingParams(**fields), prompt="hi"))
+        assert err.value.param == param
+    assert "bad" not in engine.request_ids() and not engine.processed
