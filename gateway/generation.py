@@ -1,4 +1,4 @@
-"""The two generation endpoints: validate, route to a worker, then stream or aggregate.
+"""The two generation endpoints: validate, route each of the `n` choices to a worker, then stream or aggregate.
 
 Disconnects: the app runs with `handler_cancellation=True`, so a client that leaves
 cancels the handler at its current `await`; `finally` then tells the engine client,
@@ -7,13 +7,14 @@ which sends Abort to the worker (its KV blocks are freed on the next step).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 
 import msgspec
 from aiohttp import web
 
-from gateway import sse
+from gateway import responses, sse
 from gateway.engine_client import EngineClient, RequestStream
 from gateway.errors import OpenAIError
 from gateway.openai_schema import decode_chat, decode_completion
@@ -39,51 +40,91 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, validated: Validated, request_id: str) -> web.StreamResponse:
+    """One engine request per choice (`n`): choice 0 under the response's id, choice i under `{id}-{i}`."""
     client = request.app[ENGINE]
     opts = validated.opts
-    stream = client.submit(opts.model, lambda worker: build_generate(request_id, validated, worker.max_model_len))
-    builder = ResponseBuilder(request_id, opts.model or stream.model, opts)
+    choices: list[tuple[RequestStream, ResponseBuilder]] = []
     try:
+        for i in range(opts.n):
+            engine_id, choice = (request_id, validated) if i == 0 else (f"{request_id}-{i}", validated.choice(i))
+            stream = client.submit(opts.model, lambda w, e=engine_id, c=choice: build_generate(e, c, w.max_model_len))
+            choices.append((stream, ResponseBuilder(request_id, opts.model or stream.model, opts, i)))
         if opts.stream:
-            return await _stream(request, stream, builder)
-        return await _aggregate(stream, builder)
+            return await _stream(request, choices)
+        return await _aggregate(choices)
     finally:
-        client.finish(request_id)  # aborts the engine request if it is still running
+        for stream, _ in choices:
+            client.finish(stream.request_id)  # aborts the engine request if it is still running
 
 
-async def _aggregate(stream: RequestStream, builder: ResponseBuilder) -> web.Response:
+async def _together(coros) -> list:
+    """Await coroutines concurrently; the first failure cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _collect(stream: RequestStream, builder: ResponseBuilder) -> None:
     while True:
         out = await stream.next()
         builder.add(out)
         if out.finish_reason is not None:
-            break
-    return web.Response(body=_json.encode(builder.response()), content_type="application/json")
+            return
 
 
-async def _stream(request: web.Request, stream: RequestStream, builder: ResponseBuilder) -> web.StreamResponse:
-    """SSE; headers go out with the first engine output, so a refused request is still a plain 4xx."""
-    out = await stream.next()
+async def _aggregate(choices) -> web.Response:
+    await _together(_collect(stream, builder) for stream, builder in choices)
+    body = responses.response([builder for _, builder in choices])
+    return web.Response(body=_json.encode(body), content_type="application/json")
+
+
+async def _stream(request: web.Request, choices) -> web.StreamResponse:
+    """SSE; headers go out with every choice's first engine output, so a refused request is still a plain 4xx."""
+    firsts = await _together(stream.next() for stream, _ in choices)
     response = await sse.open_stream(request)
     try:
         try:
-            await _write_chunks(response, stream, builder, out)
+            await _write_chunks(response, choices, firsts)
         except OpenAIError as exc:  # worker lost or refused mid-stream: error event, then [DONE]
-            log.warning("request %s failed mid-stream: %s", builder.request_id, exc.message)
+            log.warning("request %s failed mid-stream: %s", choices[0][1].request_id, exc.message)
             await response.write(sse.event(exc.body()))
         await sse.close_stream(response)
     except ConnectionResetError:
-        log.info("request %s: client disconnected", builder.request_id)
+        log.info("request %s: client disconnected", choices[0][1].request_id)
     return response
 
 
-async def _write_chunks(response, stream: RequestStream, builder: ResponseBuilder, out) -> None:
-    if builder.is_chat:
-        await response.write(sse.event(builder.role_chunk()))
-    while True:
-        for chunk in builder.chunks(out):
-            await response.write(sse.event(chunk))
-        if out.finish_reason is not None:
-            break
-        out = await stream.next()
-    if builder.opts.include_usage:
-        await response.write(sse.event(builder.usage_chunk()))
+async def _write_chunks(response, choices, firsts) -> None:
+    """Each choice's chunks as they come (a chat choice opens with its role chunk), then the usage."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: RequestStream, builder: ResponseBuilder, out) -> None:
+        try:
+            if builder.is_chat:
+                queue.put_nowait(builder.role_chunk())
+            while True:
+                for chunk in builder.chunks(out):
+                    queue.put_nowait(chunk)
+                if out.finish_reason is not None:
+                    break
+                out = await stream.next()
+            queue.put_nowait(None)  # this choice is done
+        except OpenAIError as exc:
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(stream, builder, out)) for (stream, builder), out in zip(choices, firsts)]
+    try:
+        for _ in choices:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, OpenAIError):
+                    raise item
+                await response.write(sse.event(item))
+    finally:
+        for task in tasks:
+            task.cancel()
+    builders = [builder for _, builder in choices]
+    if builders[0].opts.include_usage:
+        await response.write(sse.event(responses.usage_chunk(builders)))

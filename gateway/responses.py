@@ -1,8 +1,9 @@
 """OpenAI response bodies and stream chunks built from engine `Output`s.
 
-One `ResponseBuilder` per request: it turns each engine output into chunks
-(streaming) and also accumulates the whole answer (non-streaming). With tools, the
-answer's `<tool_call>` blocks become `tool_calls` (`gateway.tool_calls`).
+One `ResponseBuilder` per choice (a request with `n` choices runs n engine requests): it turns each
+engine output into chunks (streaming) and also accumulates the whole answer (non-streaming);
+`response` and `usage` merge the choices. With tools, the answer's `<tool_call>` blocks become
+`tool_calls` (`gateway.tool_calls`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from gateway.validation import RequestOptions
 
 
 class ResponseBuilder:
-    def __init__(self, request_id: str, model: str, opts: RequestOptions):
+    def __init__(self, request_id: str, model: str, opts: RequestOptions, index: int = 0):
         self.request_id = request_id
+        self.index = index  # the choice's index in the response
         self.model = model
         self.opts = opts
         self.created = int(time.time())
@@ -43,7 +45,7 @@ class ResponseBuilder:
     def role_chunk(self) -> dict:
         """Chat streams open with the assistant role and empty content, as OpenAI and vLLM do."""
         delta = {"role": "assistant", "content": ""}
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return self._chunk([{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}])
 
     def chunks(self, out: protocol.Output) -> list[dict]:
         """The chunks for one engine output (none when it carries nothing to show).
@@ -64,7 +66,7 @@ class ResponseBuilder:
         return [*found, self._delta_chunk({}, tool_calls.finish_reason(out.finish_reason, calls))]
 
     def _delta_chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+        return self._chunk([{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
 
     def chunk(self, out: protocol.Output) -> dict | None:
         """The chunk for one engine output, or None when it carries nothing to show (no tool parsing)."""
@@ -78,20 +80,15 @@ class ResponseBuilder:
             return None
         logprobs = self._logprobs(out.logprobs or [], offset) if self.opts.logprobs is not None else None
         if self.is_chat:
-            choice = {"index": 0, "delta": {"content": text} if text else {}}
+            choice = {"index": self.index, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": self.index, "text": text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         chunk = self._chunk([choice])
         if self.opts.provenance:
             chunk["speculant"] = {"token_ids": list(out.token_ids), "drafted": list(out.drafted or []),
                                   "grammar": list(out.grammar_forced or [])}
-        return chunk
-
-    def usage_chunk(self) -> dict:
-        chunk = self._chunk([])
-        chunk["usage"] = self.usage()
         return chunk
 
     # ------------------------------------------------------------ whole answer
@@ -106,44 +103,26 @@ class ResponseBuilder:
         self.finish_reason = out.finish_reason or self.finish_reason
         self.last = out
 
-    def usage(self) -> dict:
-        last = self.last
-        prompt = last.prompt_tokens if last else 0
-        completion = last.completion_tokens if last else 0
-        num_drafts = last.num_drafts if last else 0
-        num_accepted = last.num_accepted_tokens if last else 0
-        speculative = {
-            "num_drafts": num_drafts,
-            "num_draft_tokens": last.num_draft_tokens if last else 0,
-            "num_accepted_tokens": num_accepted,
-            "num_grammar_tokens": last.num_grammar_tokens if last else 0,  # accepted drafts the grammar forced
-            # vLLM's convention: the bonus/recovered token counts, so 1 + accepted per draft.
-            "mean_acceptance_length": round(1 + num_accepted / num_drafts, 4) if num_drafts else None,
-        }
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion, "speculative": speculative}
-
-    def response(self) -> dict:
+    def choice(self) -> dict:
+        """This choice of the whole answer (its provenance, if asked, under `speculant`)."""
         text = "".join(self.text_parts)
         logprobs = self._logprobs(self.logprob_items, 0) if self.opts.logprobs is not None else None
         finish_reason = self.finish_reason
         if self.tool_names:
             content, calls = tool_calls.parse_tool_calls(text, self.tool_names)
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": content}}
             if calls:
                 choice["message"]["tool_calls"] = calls
             finish_reason = tool_calls.finish_reason(finish_reason, calls)
         elif self.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": self.index, "text": text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
-        body = {"id": self.request_id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}
         if self.opts.provenance:
-            body["speculant"] = {"token_ids": self.token_ids, "drafted": self.drafted, "grammar": self.grammar}
-        return body
+            choice["speculant"] = {"token_ids": self.token_ids, "drafted": self.drafted, "grammar": self.grammar}
+        return choice
 
     # ------------------------------------------------------------ logprobs
 
@@ -151,6 +130,43 @@ class ResponseBuilder:
         if self.is_chat:
             return {"content": [_chat_logprob(item) for item in items], "refusal": None}
         return _completion_logprobs(items, text_offset)
+
+
+def usage(builders: list[ResponseBuilder]) -> dict:
+    """The usage of a request's choices: the prompt once, the completions and speculation summed."""
+    last = [b.last for b in builders if b.last is not None]
+    prompt = last[0].prompt_tokens if last else 0
+    completion = sum(out.completion_tokens for out in last)
+    num_drafts = sum(out.num_drafts for out in last)
+    num_accepted = sum(out.num_accepted_tokens for out in last)
+    speculative = {
+        "num_drafts": num_drafts,
+        "num_draft_tokens": sum(out.num_draft_tokens for out in last),
+        "num_accepted_tokens": num_accepted,
+        "num_grammar_tokens": sum(out.num_grammar_tokens for out in last),  # accepted drafts the grammar forced
+        # vLLM's convention: the bonus/recovered token counts, so 1 + accepted per draft.
+        "mean_acceptance_length": round(1 + num_accepted / num_drafts, 4) if num_drafts else None,
+    }
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion, "speculative": speculative}
+
+
+def usage_chunk(builders: list[ResponseBuilder]) -> dict:
+    chunk = builders[0]._chunk([])
+    chunk["usage"] = usage(builders)
+    return chunk
+
+
+def response(builders: list[ResponseBuilder]) -> dict:
+    """The whole answer: every choice, in index order. With one choice its provenance also stays at the
+    top level, where it was before `n`."""
+    first = builders[0]
+    choices = [b.choice() for b in builders]
+    body = {"id": first.request_id, "object": first.object, "created": first.created, "model": first.model,
+            "choices": choices, "usage": usage(builders)}
+    if first.opts.provenance and len(builders) == 1:
+        body["speculant"] = choices[0].pop("speculant")
+    return body
 
 
 def _present(chunk: dict | None) -> list[dict]:

@@ -2,8 +2,8 @@
 
 Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
-a per-request speculation cap `speculative.n_max` in 0..64, `speculative.method` a proposer name, and at
-most 1,024 tokens in `logit_bias`.
+a per-request speculation cap `speculative.n_max` in 0..64, `speculative.method` a proposer name, at
+most 1,024 tokens in `logit_bias`, and at most 16 choices (`n`).
 Output constraints (`response_format`, `speculant.regex` / `speculant.grammar`) are compiled and
 checked in `gateway.constraints`; tools and tool_choice in `gateway.tools` and `gateway.tool_grammar`.
 """
@@ -28,6 +28,7 @@ MAX_STOP_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SPEC_TOKENS = 64
+MAX_CHOICES = 16  # n
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -47,6 +48,7 @@ class RequestOptions:
     max_tokens: int | None  # None = not given (chat: up to the context limit)
     max_tokens_param: str
     tool_names: tuple[str, ...] = ()  # chat with tools (tool_choice not "none"): parse calls out of the answer
+    n: int = 1  # choices: one engine request each
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,6 +56,13 @@ class Validated:
     fields: dict  # prompt fields of `Generate`: prompt | prompt_token_ids | messages (+ add_generation_prompt)
     opts: RequestOptions
     params: protocol.SamplingParams  # max_tokens still to be resolved against the worker
+
+    def choice(self, i: int) -> "Validated":
+        """Choice i of `n`: with a seed, seed + i (so the choices differ, and each is reproducible)."""
+        seed = self.params.seed
+        if seed is None:
+            return self
+        return dataclasses.replace(self, params=msgspec.structs.replace(self.params, seed=(seed + i) % 2**63))
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -149,7 +158,7 @@ def _spec_cap(req: SamplingRequest) -> int | None:
 
 def _common_checks(req: SamplingRequest) -> None:
     """Fields we parse but cannot honour: a non-default value is a 400, never silently ignored."""
-    _unsupported(req.n in (None, 1), "n", "only n = 1 is supported; send one request per choice")
+    _require(req.n is None or 1 <= req.n <= MAX_CHOICES, "n", f"n must be in 1..{MAX_CHOICES}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         _require(value is None or -2.0 <= value <= 2.0, name, f"{name} must be between -2 and 2")
@@ -171,6 +180,7 @@ def _options(req: SamplingRequest, kind: str, logprobs: int | None, max_tokens, 
         provenance=bool(req.speculant and req.speculant.provenance),
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
+        n=req.n or 1,
     )
 
 
@@ -178,7 +188,7 @@ def validate_completion(req: CompletionRequest) -> Validated:
     """Checks a completions body; returns the prompt fields of `Generate` and the options."""
     _common_checks(req)
     _unsupported(not req.echo, "echo", "echo is not supported")
-    _unsupported(req.best_of in (None, 1), "best_of", "only best_of = 1 is supported")
+    _unsupported(req.best_of in (None, req.n or 1), "best_of", "best_of must equal n (ranking choices is not supported)")
     _unsupported(req.suffix is None, "suffix", "suffix is not supported")
     _require(req.logprobs is None or 0 <= req.logprobs <= MAX_LOGPROBS, "logprobs",
              f"logprobs must be an integer in 0..{MAX_LOGPROBS}")

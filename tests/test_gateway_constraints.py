@@ -175,12 +175,12 @@ def test_the_cache_compiles_a_repeated_schema_once():
 
 
 def test_grammar_tokens_are_reported_in_usage():
-    from gateway.responses import ResponseBuilder
+    from gateway.responses import ResponseBuilder, response, usage_chunk
 
     validated = validate_chat(decode_chat(b'{"messages": [{"role": "user", "content": "hi"}], "stream": true,'
                                           b' "stream_options": {"include_usage": true}}'))
     b = ResponseBuilder("id", "m", validated.opts)
     b.chunk(protocol.Output("r", "{}", [1, 2], "stop", 3, 2, num_drafts=1, num_draft_tokens=2,
                             num_accepted_tokens=1, num_grammar_tokens=1))
-    assert b.usage_chunk()["usage"]["speculative"]["num_grammar_tokens"] == 1
-    assert b.response()["usage"]["speculative"]["num_grammar_tokens"] == 1
+    assert usage_chunk([b])["usage"]["speculative"]["num_grammar_tokens"] == 1
+    assert response([b])["usage"]["speculative"]["num_grammar_tokens"] == 1

@@ -13,7 +13,7 @@ from gateway import sse
 from gateway.errors import OpenAIError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import decode_chat, decode_completion, param_from_error
-from gateway.responses import ResponseBuilder, token_bytes
+from gateway.responses import ResponseBuilder, response, token_bytes, usage_chunk
 from gateway.validation import build_generate, validate_chat, validate_completion
 from gateway.workers import WorkerTable
 
@@ -44,7 +44,7 @@ def test_chat_stream_chunks_parse_as_openai_chunks():
     assert [c.choices[0].finish_reason for c in chunks] == [None, "stop"]
     assert [t.token for t in chunks[0].choices[0].logprobs.content] == ["lo", " there"]
     assert chunks[0].choices[0].logprobs.content[1].top_logprobs[1].bytes == list(b" there")
-    usage = ChatCompletionChunk.model_validate(b.usage_chunk())
+    usage = ChatCompletionChunk.model_validate(usage_chunk([b]))
     assert usage.choices == [] and (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (7, 3)
     assert usage.usage.total_tokens == 10
     spec = usage.usage.model_extra["speculative"]
@@ -57,7 +57,7 @@ def test_chat_response_aggregates():
     b = builder(b'{"messages": [{"role": "user", "content": "hi"}]}', "chat")
     for out in outputs():
         b.add(out)
-    resp = ChatCompletion.model_validate(b.response())
+    resp = ChatCompletion.model_validate(response([b]))
     assert resp.choices[0].message.content == "Hello there!"
     assert resp.choices[0].finish_reason == "stop" and resp.choices[0].logprobs is None
 
@@ -71,7 +71,7 @@ def test_completion_logprobs_offsets_run_over_the_whole_answer():
     assert first["speculant"] == {"token_ids": [5, 6], "drafted": [True, False], "grammar": []}
     # (The SDK's Completion model types finish_reason as non-null; its stream parser does not validate.)
     assert first["object"] == "text_completion" and first["choices"][0]["finish_reason"] is None
-    whole = Completion.model_validate(b.response())
+    whole = Completion.model_validate(response([b]))
     assert whole.choices[0].text == "Hello there!"
     assert whole.choices[0].logprobs.tokens == ["lo", " there", "!"]
     assert whole.choices[0].logprobs.text_offset == [0, 2, 8]

@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from engine.serving import protocol
 from gateway.openai_schema import decode_chat
-from gateway.responses import ResponseBuilder
+from gateway.responses import ResponseBuilder, response
 from gateway.tool_calls import ToolCallStream, parse_tool_calls
 from gateway.validation import validate_chat
 
@@ -65,7 +65,7 @@ def whole(text: str, finish_reason: str = "stop", **body) -> ChatCompletion:
     b = builder(False, **body)
     for out in outputs(text, finish_reason):
         b.add(out)
-    return ChatCompletion.model_validate(b.response())
+    return ChatCompletion.model_validate(response([b]))
 
 
 def test_response_with_calls_parses_as_an_openai_completion():
@@ -126,7 +126,7 @@ def test_streamed_content_equals_the_whole_answer(text, pieces):
     b = builder(False)
     for out in outputs(text):
         b.add(out)
-    message = b.response()["choices"][0]["message"]
+    message = response([b])["choices"][0]["message"]
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert streamed == (message["content"] or "")
     assert bool([c for c in chunks if c.choices[0].delta.tool_calls]) == ("tool_calls" in message)
@@ -169,7 +169,7 @@ async def test_the_sse_writer_sends_every_chunk():
 
     first, *rest = outputs(f"{PARIS}{TIME}", pieces=7)
     sink, b = Sink(), builder(True, stream_options={"include_usage": True})
-    await _write_chunks(sink, Stream(rest), b, first)
+    await _write_chunks(sink, [(Stream(rest), b)], [first])
     final = accumulate([ChatCompletionChunk.model_validate(e) for e in sink.events])
     assert final.finish_reason == "tool_calls" and len(final.message.tool_calls) == 2
     assert sink.events[-1]["usage"]["completion_tokens"] == len(rest) + 1

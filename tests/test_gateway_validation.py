@@ -55,8 +55,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
     ("completions", {"prompt": "a", "logprobs": True}, "logprobs"),
-    ("completions", {"prompt": "a", "n": 2}, "n"),
+    ("completions", {"prompt": "a", "n": 0}, "n"),
+    ("completions", {"prompt": "a", "n": 17}, "n"),
     ("completions", {"prompt": "a", "best_of": 3}, "best_of"),
+    ("completions", {"prompt": "a", "n": 2, "best_of": 3}, "best_of"),
     ("completions", {"prompt": "a", "echo": True}, "echo"),
     ("completions", {"prompt": "a", "suffix": "z"}, "suffix"),
     ("completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -94,7 +96,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "logprobs": 3}, "logprobs"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat/completions", {"messages": CHAT, "n": 3}, "n"),
+    ("chat/completions", {"messages": CHAT, "n": -1}, "n"),
     ("chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
      "tools[0].function.name"),
@@ -139,7 +141,7 @@ async def test_unparseable_body_is_400(client, raw):
                                    {"speculant": {"regex": "[0-9]+", "provenance": True}},
                                    {"tools": [TOOL], "tool_choice": "required"},
                                    {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}},
-                                   {"repetition_penalty": 1.2, "min_p": 0.05}])
+                                   {"repetition_penalty": 1.2, "min_p": 0.05}, {"n": 3, "seed": 5}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503

@@ -128,6 +128,34 @@ def test_penalties_and_logit_bias_through_the_openai_client(client, model, token
     assert max(commonest(penalized), commonest(repetition)) < commonest(plain)
 
 
+def test_n_choices_streamed_and_not(client, model):
+    """`n` choices run as one engine request each: greedy, every choice is the single answer, streamed chunks
+    carry each choice's index and add up to its text, and usage counts the prompt once and every choice's
+    tokens; sampled, the choices differ; a prompt the worker refuses is one 400 for all of them."""
+    messages = [{"role": "user", "content": "List three colors."}]
+    one = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    three = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                            temperature=0, n=2, stream=True, stream_options={"include_usage": True}))
+    texts = ["", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    single = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
+    assert texts == [single.choices[0].text] * 2
+    assert chunks[-1].usage.completion_tokens == 2 * single.usage.completion_tokens
+    sampled = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a story."}],
+                                             max_tokens=16, temperature=1.0, n=4)
+    assert len({c.message.content for c in sampled.choices}) > 1
+    status, reply, _ = http(f"{client.base_url}completions", {"model": model, "prompt": "word " * 2 * MAX_MODEL_LEN,
+                                                               "n": 3})
+    assert (status, reply["error"]["param"]) == (400, "prompt")
+
+
 async def read_events(resp: aiohttp.ClientResponse, count: int) -> list[dict]:
     events = []
     async for line in resp.content:
