@@ -112,14 +112,14 @@ async def _write_chunks(response, choices, firsts) -> None:
                     break
                 out = await stream.next()
             queue.put_nowait(None)  # this choice is done
-        except OpenAIError as exc:
+        except Exception as exc:  # an OpenAIError becomes the stream's error event; anything else, the handler's
             queue.put_nowait(exc)
 
     tasks = [asyncio.ensure_future(pump(stream, builder, out)) for (stream, builder), out in zip(choices, firsts)]
     try:
         for _ in choices:
             while (item := await queue.get()) is not None:
-                if isinstance(item, OpenAIError):
+                if isinstance(item, Exception):
                     raise item
                 await response.write(sse.event(item))
     finally:
