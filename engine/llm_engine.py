@@ -18,10 +18,11 @@ import numpy as np
 from engine.engine_setup import EngineParts, build_engine_parts
 from engine.errors import InvalidRequest
 from engine.core.output_processor import OutputState, make_output
+from engine.core.prompt_echo import PromptEchoes
 from engine.core.logits_processing import LogitBias, process_rows, processing_field
 from engine.serving.protocol import Generate, Output, WorkerStats
 from engine.spec_decode.proposer_pool import ProposerPool
-from engine.core.request_input import prompt_token_ids, validate_params
+from engine.core.request_input import prompt_token_ids, scores_prompt, validate_params
 from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
 from engine.spec_decode.spec_log import SpecLogger
@@ -56,6 +57,7 @@ class LLMEngine:
         self.forced: dict[str, list[int]] = {}  # this step: request -> the tokens its grammar forces next
         self.processed: set[str] = set()  # requests with penalties, a logit bias or min_p (logits_processing)
         self.biases: dict[str, LogitBias] = {}  # their logit_bias, as arrays
+        self.echoes = PromptEchoes(self.tokenizer)  # completions' echo: the prompt on the first output
         self.spec_logger = SpecLogger()
 
     @classmethod
@@ -73,15 +75,16 @@ class LLMEngine:
         self.proposers.get(msg.params.speculative_method)  # an unknown method is refused before anything starts
         ids = prompt_token_ids(msg, self.tokenizer)
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
-        processing = processing_field(msg.params)
+        processing = processing_field(msg.params) or ("echo" if scores_prompt(msg.params) else None)
         if processing and not self.runner.supports_grammars:
-            raise InvalidRequest(f"{processing}: penalties, logit_bias and min_p run on the CPU backend only", processing)
+            raise InvalidRequest(f"{processing}: penalties, logit_bias, min_p and prompt logprobs run on the CPU backend "
+                                 "only", processing)
         if msg.params.grammar is not None:
             if not self.runner.supports_grammars:
                 raise InvalidRequest("response_format: constrained decoding runs on the CPU backend only",
                                      "response_format")
             self.grammars.start(msg.request_id, msg.params.grammar)
-        if processing:
+        if processing_field(msg.params):
             self.processed.add(msg.request_id)
             if msg.params.logit_bias:
                 self.biases[msg.request_id] = LogitBias(msg.params.logit_bias)
@@ -89,6 +92,7 @@ class LLMEngine:
         self.seqs[seq.request_id] = seq
         self.states[seq.request_id] = OutputState(self.tokenizer, seq, self.max_model_len)
         self.proposers.start(seq.request_id, msg.params.speculative_method, seq.token_ids[: seq.num_tokens])
+        self.echoes.start(seq)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -111,6 +115,7 @@ class LLMEngine:
         self.states.pop(seq.request_id, None)
         self.proposers.stop(seq.request_id)
         self.grammars.stop(seq.request_id)
+        self.echoes.stop(seq.request_id)
 
     # ------------------------------------------------------------------ the step
 
@@ -121,6 +126,8 @@ class LLMEngine:
         drafts = self.propose(sched)
         batch = self.step_batch.build(sched, drafts)
         logits = self.runner.forward(batch.forward)  # [num_logits, vocab]
+        if self.echoes.pending:
+            self.echoes.observe(sched, batch.forward, self.runner, self.states)
         self.process_logits(sched, batch, logits)
         self.step_batch.verify(logits, self.spec)
         outputs = self.accept_and_emit(sched, logits)
@@ -224,7 +231,7 @@ class LLMEngine:
             logprobs = state.logprobs(logits[rows[:num_taken]], taken, seq.params.logprobs)
         self.proposers.extend(seq.request_id, taken)
         forced = drafted if self.draft_source.get(seq.request_id) == GRAMMAR_SOURCE else None
-        out = make_output(seq, state, taken, drafted, logprobs, forced)
+        out = self.echoes.attach(seq, make_output(seq, state, taken, drafted, logprobs, forced))
         if seq.finish_reason is not None:
             self._release(seq)
         return out

@@ -75,10 +75,12 @@ class ResponseBuilder:
     def _output_chunk(self, out: protocol.Output, text: str, finish_reason: str | None) -> dict | None:
         offset = self.num_token_chars
         self.add(out)
-        has_tokens = bool(out.token_ids)
-        if not (text or finish_reason or (has_tokens and (out.logprobs or self.opts.provenance))):
+        shown, items, token_ids = self._visible(out)
+        if not self.is_chat:  # completions: with echo, the prompt comes first (chat passes the tool stream's text)
+            text = shown
+        if not (text or finish_reason or (token_ids and (items or self.opts.provenance))):
             return None
-        logprobs = self._logprobs(out.logprobs or [], offset) if self.opts.logprobs is not None else None
+        logprobs = self._logprobs(items, offset) if self.opts.logprobs is not None else None
         if self.is_chat:
             choice = {"index": self.index, "delta": {"content": text} if text else {}}
         else:
@@ -87,19 +89,32 @@ class ResponseBuilder:
         choice["finish_reason"] = finish_reason
         chunk = self._chunk([choice])
         if self.opts.provenance:
-            chunk["speculant"] = {"token_ids": list(out.token_ids), "drafted": list(out.drafted or []),
-                                  "grammar": list(out.grammar_forced or [])}
+            chunk["speculant"] = {"token_ids": token_ids, "drafted": list(out.drafted or []) if token_ids else [],
+                                  "grammar": list(out.grammar_forced or []) if token_ids else []}
         return chunk
+
+    def _visible(self, out: protocol.Output) -> tuple[str, list[protocol.TokenLogprob], list[int]]:
+        """(text, logprob entries, token ids) a client sees of an output: with echo, the prompt first (on the
+        first output); with echo and max_tokens 0, nothing generated."""
+        if self.opts.echo_only:
+            text, items, token_ids = "", [], []
+        else:
+            text, items, token_ids = out.text, list(out.logprobs or []), list(out.token_ids)
+        if self.opts.echo and out.prompt_text is not None:
+            text, items = out.prompt_text + text, list(out.prompt_logprobs or []) + items
+        return text, items, token_ids
 
     # ------------------------------------------------------------ whole answer
 
     def add(self, out: protocol.Output) -> None:
-        self.text_parts.append(out.text)
-        self.logprob_items.extend(out.logprobs or [])
-        self.num_token_chars += sum(len(item.token) for item in out.logprobs or [])
-        self.token_ids.extend(out.token_ids)
-        self.drafted.extend(out.drafted or [])
-        self.grammar.extend(out.grammar_forced or [])
+        text, items, token_ids = self._visible(out)
+        self.text_parts.append(text)
+        self.logprob_items.extend(items)
+        self.num_token_chars += sum(len(item.token) for item in items)
+        self.token_ids.extend(token_ids)
+        if token_ids:
+            self.drafted.extend(out.drafted or [])
+            self.grammar.extend(out.grammar_forced or [])
         self.finish_reason = out.finish_reason or self.finish_reason
         self.last = out
 
@@ -136,7 +151,7 @@ def usage(builders: list[ResponseBuilder]) -> dict:
     """The usage of a request's choices: the prompt once, the completions and speculation summed."""
     last = [b.last for b in builders if b.last is not None]
     prompt = last[0].prompt_tokens if last else 0
-    completion = sum(out.completion_tokens for out in last)
+    completion = sum(b.last.completion_tokens for b in builders if b.last is not None and not b.opts.echo_only)
     num_drafts = sum(out.num_drafts for out in last)
     num_accepted = sum(out.num_accepted_tokens for out in last)
     speculative = {

@@ -49,6 +49,8 @@ class RequestOptions:
     max_tokens_param: str
     tool_names: tuple[str, ...] = ()  # chat with tools (tool_choice not "none"): parse calls out of the answer
     n: int = 1  # choices: one engine request each
+    echo: bool = False  # completions: the answer starts with the prompt (and its tokens' logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine still makes one token, unsent)
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,7 +169,9 @@ def _common_checks(req: SamplingRequest) -> None:
     _require(req.min_p is None or 0.0 <= req.min_p <= 1.0, "min_p", "min_p must be between 0 and 1")
     _require(bool(req.stream) or req.stream_options is None, "stream_options",
              "stream_options can only be set when stream is true")
-    _require(req.max_tokens is None or req.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
+    echo_only = getattr(req, "echo", False) and req.max_tokens == 0  # completions: score the prompt alone
+    _require(req.max_tokens is None or req.max_tokens >= 1 or echo_only, "max_tokens",
+             "max_tokens must be at least 1 (0 only with echo)")
 
 
 def _options(req: SamplingRequest, kind: str, logprobs: int | None, max_tokens, max_tokens_param) -> RequestOptions:
@@ -187,15 +191,16 @@ def _options(req: SamplingRequest, kind: str, logprobs: int | None, max_tokens, 
 def validate_completion(req: CompletionRequest) -> Validated:
     """Checks a completions body; returns the prompt fields of `Generate` and the options."""
     _common_checks(req)
-    _unsupported(not req.echo, "echo", "echo is not supported")
     _unsupported(req.best_of in (None, req.n or 1), "best_of", "best_of must equal n (ranking choices is not supported)")
     _unsupported(req.suffix is None, "suffix", "suffix is not supported")
     _require(req.logprobs is None or 0 <= req.logprobs <= MAX_LOGPROBS, "logprobs",
              f"logprobs must be an integer in 0..{MAX_LOGPROBS}")
-    max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
     opts = _options(req, "completion", req.logprobs, max_tokens, "max_tokens")
+    opts.echo, opts.echo_only = bool(req.echo), bool(req.echo) and req.max_tokens == 0
     fields = _prompt_fields(req.prompt)
-    return Validated(fields, opts, sampling_params(req, opts))
+    params = msgspec.structs.replace(sampling_params(req, opts), echo=opts.echo)
+    return Validated(fields, opts, params)
 
 
 def _prompt_fields(prompt) -> dict:

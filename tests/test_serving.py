@@ -156,6 +156,32 @@ def test_n_choices_streamed_and_not(client, model):
     assert (status, reply["error"]["param"]) == (400, "prompt")
 
 
+def test_echo_scores_a_prompt_as_generation_scored_it(client, model, tokenizer):
+    """`echo` with `logprobs` and max_tokens 0 (how evaluation harnesses score a text): the answer is the prompt
+    alone, its first token without a logprob, and the tokens that greedy decoding appended to a prefix get the
+    logprobs (and alternatives) the decoding reported for them; no completion tokens are counted."""
+    prefix = tokenizer.encode("The capital of France is")
+    made = client.completions.create(model=model, prompt=prefix, max_tokens=8, temperature=0, logprobs=2,
+                                     extra_body={"speculant": {"provenance": True}})
+    generated = made.model_extra["speculant"]["token_ids"]
+    scored = client.completions.create(model=model, prompt=prefix + generated, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == tokenizer.decode(prefix + generated) and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prefix) + len(generated) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[len(prefix):] == made.choices[0].logprobs.token_logprobs
+    assert lp.top_logprobs[len(prefix):] == made.choices[0].logprobs.top_logprobs
+    assert lp.text_offset[len(prefix)] == len(tokenizer.decode(prefix))
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(prefix) + len(generated)
+    both = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                     echo=True)
+    assert both.choices[0].text == "The capital of France is" + made.choices[0].text
+    chunks = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                            temperature=0, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith("The capital of France is")
+    assert "".join(c.choices[0].text for c in chunks) == both.choices[0].text
+
+
 async def read_events(resp: aiohttp.ClientResponse, count: int) -> list[dict]:
     events = []
     async for line in resp.content:

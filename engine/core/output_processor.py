@@ -72,7 +72,8 @@ class OutputState:
         return delta
 
     def logprobs(self, rows: np.ndarray, token_ids, num_top: int) -> list[TokenLogprob]:
-        """Target-model logprobs (raw logits, before temperature) for each emitted token."""
+        """Target-model logprobs for each token of `token_ids`, from its logits row (before temperature; after
+        a grammar's mask and engine/core/logits_processing.py, for the rows a step sampled from)."""
         out = []
         for row, tok in zip(rows, token_ids):
             row64 = row.astype(np.float64)

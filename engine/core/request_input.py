@@ -70,3 +70,9 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
         raise InvalidRequest("logit_bias values must be between -100 and 100", "logit_bias")
     if p.num_speculative_tokens is not None and not 0 <= p.num_speculative_tokens <= 64:
         raise InvalidRequest("speculative.n_max must be between 0 and 64", "speculative")
+
+
+def scores_prompt(params: SamplingParams) -> bool:
+    """Whether a request's prompt positions are scored (echo with logprobs: engine/core/prompt_echo.py), so that
+    every one must be computed and none taken from cached prefix blocks."""
+    return params.echo and params.logprobs is not None

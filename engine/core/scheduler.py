@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
+from engine.core.request_input import scores_prompt
 from engine.core.sequence import Sequence, Status
 
 
@@ -88,7 +89,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
-                cached, last_hash = self.blocks.match_prefix(seq.token_ids, seq.num_tokens - 1)
+                reusable = 0 if scores_prompt(seq.params) else seq.num_tokens - 1  # scored: compute every position
+                cached, last_hash = self.blocks.match_prefix(seq.token_ids, reusable)
                 seq.block_table = cached
                 seq.num_computed_tokens = seq.num_hashed_blocks = len(cached)
                 seq.num_computed_tokens *= self.blocks.block_size

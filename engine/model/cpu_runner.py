@@ -307,6 +307,12 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             normed = np.empty_like(rows)
             ops.rms_norm(rows, self.final_norm, cfg.rms_eps, normed)
         logits = self.logits[:L]
+        self._lm_head(normed, logits)
+        return logits
+
+    def _lm_head(self, normed: np.ndarray, logits: np.ndarray) -> None:
+        """logits [rows, vocab] of final-normed rows [rows, hidden]."""
+        cfg = self.config
         linear(normed, self.lm_head, logits)
         if cfg.logit_scale != 1.0:  # as llama.cpp: times 1 / scale (Granite)
             logits *= np.float32(1.0 / cfg.logit_scale)
@@ -314,6 +320,15 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
             cap = np.float32(cfg.final_softcap)
             np.tanh(np.divide(logits, cap, out=logits), out=logits)
             logits *= cap
+
+    def row_logits(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), vocab] logits of any rows of the last forward (its own logits rows get the same bits:
+        the norm and the products are row by row); a new array, so the forward's logits stay as they are."""
+        x = self.x[rows]  # [rows, hidden]: the final residual stream, until the next forward
+        normed = np.empty_like(x)
+        ops.rms_norm(x, self.final_norm, self.config.rms_eps, normed)
+        logits = np.empty((len(rows), self.config.vocab_size), np.float32)
+        self._lm_head(normed, logits)
         return logits
 
     def hidden_states(self, num_tokens: int) -> np.ndarray:

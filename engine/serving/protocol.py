@@ -41,6 +41,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     logit_bias: dict[int, float] = {}
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    # Completions' echo: the first Output carries the prompt's text and, with `logprobs`, each prompt token's
+    # logprob (engine/core/prompt_echo.py)
+    echo: bool = False
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -86,7 +89,7 @@ ToWorker = Generate | Abort | GatewayHello
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
     top: list[tuple[int, str, float]] = []  # (token_id, token text, logprob)
 
 
@@ -110,6 +113,9 @@ class Output(msgspec.Struct, frozen=True):
     # The worker fills it in when the engine leaves it None.
     queue_time: float | None = None
     grammar_forced: list[bool] | None = None  # with provenance: which accepted drafts the grammar forced
+    # With `echo`, on a request's first Output only: the prompt as text, and with `logprobs` its tokens' logprobs
+    prompt_text: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs", frozen=True):
