@@ -40,15 +40,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, validated: Validated, request_id: str) -> web.StreamResponse:
-    """One engine request per choice (`n`): choice 0 under the response's id, choice i under `{id}-{i}`."""
+    """One engine request per choice (`n` per prompt): choice 0 under the response's id, choice i under `{id}-{i}`."""
     client = request.app[ENGINE]
     opts = validated.opts
     choices: list[tuple[RequestStream, ResponseBuilder]] = []
     try:
-        for i in range(opts.n):
-            engine_id, choice = (request_id, validated) if i == 0 else (f"{request_id}-{i}", validated.choice(i))
+        for i in range(validated.num_choices):
+            engine_id, choice = request_id if i == 0 else f"{request_id}-{i}", validated.choice(i)
             stream = client.submit(opts.model, lambda w, e=engine_id, c=choice: build_generate(e, c, w.max_model_len))
-            choices.append((stream, ResponseBuilder(request_id, opts.model or stream.model, opts, i)))
+            builder = ResponseBuilder(request_id, opts.model or stream.model, opts, i, counts_prompt=i % opts.n == 0)
+            choices.append((stream, builder))
         if opts.stream:
             return await _stream(request, choices)
         return await _aggregate(choices)

@@ -16,9 +16,10 @@ from gateway.validation import RequestOptions
 
 
 class ResponseBuilder:
-    def __init__(self, request_id: str, model: str, opts: RequestOptions, index: int = 0):
+    def __init__(self, request_id: str, model: str, opts: RequestOptions, index: int = 0, counts_prompt: bool = True):
         self.request_id = request_id
         self.index = index  # the choice's index in the response
+        self.counts_prompt = counts_prompt  # the first choice of its prompt: usage counts the prompt here
         self.model = model
         self.opts = opts
         self.created = int(time.time())
@@ -148,9 +149,9 @@ class ResponseBuilder:
 
 
 def usage(builders: list[ResponseBuilder]) -> dict:
-    """The usage of a request's choices: the prompt once, the completions and speculation summed."""
+    """The usage of a request's choices: each prompt once, the completions and speculation summed."""
     last = [b.last for b in builders if b.last is not None]
-    prompt = last[0].prompt_tokens if last else 0
+    prompt = sum(b.last.prompt_tokens for b in builders if b.last is not None and b.counts_prompt)
     completion = sum(b.last.completion_tokens for b in builders if b.last is not None and not b.opts.echo_only)
     num_drafts = sum(out.num_drafts for out in last)
     num_accepted = sum(out.num_accepted_tokens for out in last)

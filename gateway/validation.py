@@ -3,7 +3,7 @@
 Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
 a per-request speculation cap `speculative.n_max` in 0..64, `speculative.method` a proposer name, at
-most 1,024 tokens in `logit_bias`, and at most 16 choices (`n`).
+most 1,024 tokens in `logit_bias`, at most 16 choices (`n`) and at most 64 prompts in one completions request.
 Output constraints (`response_format`, `speculant.regex` / `speculant.grammar`) are compiled and
 checked in `gateway.constraints`; tools and tool_choice in `gateway.tools` and `gateway.tool_grammar`.
 """
@@ -29,6 +29,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_SPEC_TOKENS = 64
 MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # prompts in one completions request
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -55,16 +56,25 @@ class RequestOptions:
 
 @dataclasses.dataclass(slots=True)
 class Validated:
-    fields: dict  # prompt fields of `Generate`: prompt | prompt_token_ids | messages (+ add_generation_prompt)
+    # the prompt fields of `Generate`, one dict per prompt (completions may send several): prompt |
+    # prompt_token_ids | messages (+ add_generation_prompt)
+    fields: list[dict]
     opts: RequestOptions
     params: protocol.SamplingParams  # max_tokens still to be resolved against the worker
 
+    @property
+    def num_choices(self) -> int:
+        return len(self.fields) * self.opts.n
+
     def choice(self, i: int) -> "Validated":
-        """Choice i of `n`: with a seed, seed + i (so the choices differ, and each is reproducible)."""
-        seed = self.params.seed
-        if seed is None:
-            return self
-        return dataclasses.replace(self, params=msgspec.structs.replace(self.params, seed=(seed + i) % 2**63))
+        """Choice i of the response, as OpenAI orders them: prompt i // n, its choice j = i % n. With a seed,
+        choice j samples with seed + j, so a prompt's choices differ, each is reproducible, and choice 0
+        samples as the prompt would alone."""
+        prompt, j = divmod(i, self.opts.n)
+        params = self.params
+        if params.seed is not None and j:
+            params = msgspec.structs.replace(params, seed=(params.seed + j) % 2**63)
+        return dataclasses.replace(self, fields=[self.fields[prompt]], params=params)
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -203,19 +213,23 @@ def validate_completion(req: CompletionRequest) -> Validated:
     return Validated(fields, opts, params)
 
 
-def _prompt_fields(prompt) -> dict:
-    """One prompt per request: a string, a list of token ids, or a one-element list of either."""
+def _prompt_fields(prompt) -> list[dict]:
+    """The prompts of a completions request: a string or a list of token ids, or a list of either."""
     _require(prompt is not None, "prompt", "prompt is required")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        _unsupported(len(prompt) == 1, "prompt", "batched prompts are not supported; send one prompt per request")
-        prompt = prompt[0]
+        _require(len(prompt) <= MAX_PROMPTS, "prompt", f"at most {MAX_PROMPTS} prompts in one request")
+        return [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
+def _one_prompt(prompt, param: str) -> dict:
     if isinstance(prompt, str):
-        _require(len(prompt) > 0, "prompt", "prompt must not be empty")
+        _require(len(prompt) > 0, param, "prompt must not be empty")
         return {"prompt": prompt}
-    _require(isinstance(prompt, list), "prompt", "prompt must be a string or a list of token ids")
-    _require(len(prompt) > 0, "prompt", "prompt must not be empty")
+    _require(isinstance(prompt, list), param, "prompt must be a string or a list of token ids")
+    _require(len(prompt) > 0, param, "prompt must not be empty")
     is_ids = all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in prompt)
-    _require(is_ids, "prompt", "a token-id prompt must be a list of non-negative integers")
+    _require(is_ids, param, "a token-id prompt must be a list of non-negative integers")
     return {"prompt_token_ids": list(prompt)}
 
 
@@ -232,8 +246,8 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     max_tokens, param = (mct, "max_completion_tokens") if mct is not None else (req.max_tokens, "max_tokens")
     opts = _options(req, "chat", logprobs, max_tokens, param)
     opts.tool_names = plan.names if plan.active else ()
-    fields = {"messages": _messages(req), "tools_json": plan.tools_json(),
-              "add_generation_prompt": req.add_generation_prompt is not False}
+    fields = [{"messages": _messages(req), "tools_json": plan.tools_json(),
+               "add_generation_prompt": req.add_generation_prompt is not False}]
     return Validated(fields, opts, sampling_params(req, opts, lambda r: tool_grammar(r, plan)))
 
 
@@ -269,4 +283,5 @@ def build_generate(request_id: str, validated: Validated, max_model_len: int) ->
     _require(max_tokens <= max_model_len, opts.max_tokens_param,
              f"{opts.max_tokens_param} must be at most {max_model_len} (the model's context length)")
     params = msgspec.structs.replace(validated.params, max_tokens=max_tokens)
-    return protocol.Generate(request_id=request_id, params=params, **validated.fields)
+    (fields,) = validated.fields  # one prompt: Validated.choice's
+    return protocol.Generate(request_id=request_id, params=params, **fields)

@@ -131,7 +131,8 @@ def test_penalties_and_logit_bias_through_the_openai_client(client, model, token
 def test_n_choices_streamed_and_not(client, model):
     """`n` choices run as one engine request each: greedy, every choice is the single answer, streamed chunks
     carry each choice's index and add up to its text, and usage counts the prompt once and every choice's
-    tokens; sampled, the choices differ; a prompt the worker refuses is one 400 for all of them."""
+    tokens; several prompts give n choices each, in prompt order; sampled, the choices differ; a prompt the
+    worker refuses is one 400 for all of them."""
     messages = [{"role": "user", "content": "List three colors."}]
     one = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
     three = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, n=3)
@@ -148,6 +149,11 @@ def test_n_choices_streamed_and_not(client, model):
     single = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
     assert texts == [single.choices[0].text] * 2
     assert chunks[-1].usage.completion_tokens == 2 * single.usage.completion_tokens
+    prompts = ["The capital of France is", "One, two, three,"]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]  # prompt by prompt
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     sampled = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a story."}],
                                              max_tokens=16, temperature=1.0, n=4)
     assert len({c.message.content for c in sampled.choices}) > 1
