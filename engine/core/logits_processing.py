@@ -48,21 +48,37 @@ def process_rows(logits: np.ndarray, runs, biases: dict[str, LogitBias]) -> None
     """runs: (sequence, first row, drafts) of each sampling request that needs processing
     (StepBatch.sampling_runs); biases: request id -> its LogitBias."""
     for seq, first, drafts in runs:
+        p = seq.params
         tokens = seq.token_ids[: seq.num_tokens]  # prompt + generated
+        seen = np.unique(tokens) if p.repetition_penalty != 1.0 else None  # [distinct tokens]
+        counted = np.unique(tokens[seq.num_prompt_tokens:], return_counts=True) \
+            if p.presence_penalty or p.frequency_penalty else None  # (ids, counts) of the generated tokens
         for j in range(1 + len(drafts)):
-            seen = np.concatenate([tokens, drafts[:j]]) if j else tokens
-            _process(logits[first + j], seen, seq.num_prompt_tokens, seq.params, biases.get(seq.request_id))
+            if j:  # row j also follows draft j - 1
+                seen = None if seen is None else np.union1d(seen, drafts[j - 1 : j])
+                counted = None if counted is None else _count_one(*counted, int(drafts[j - 1]))
+            _process(logits[first + j], seen, counted, p, biases.get(seq.request_id))
 
 
-def _process(row: np.ndarray, seen: np.ndarray, num_prompt: int, p: SamplingParams, bias: LogitBias | None) -> None:
-    """One row [vocab] after the tokens `seen` (its first num_prompt: the prompt's)."""
-    if p.repetition_penalty != 1.0:
-        ids = np.unique(seen)
-        values = row[ids]
+def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, counts) with one more `token` (ids sorted, as np.unique gives them)."""
+    k = int(np.searchsorted(ids, token))
+    if k < len(ids) and ids[k] == token:
+        counts = counts.copy()
+        counts[k] += 1
+        return ids, counts
+    return np.insert(ids, k, token), np.insert(counts, k, 1)
+
+
+def _process(row: np.ndarray, seen, counted, p: SamplingParams, bias: LogitBias | None) -> None:
+    """One row [vocab]: seen, the distinct tokens before it (for the repetition penalty); counted, the generated
+    ones with their counts (for the frequency and presence penalties)."""
+    if seen is not None:
+        values = row[seen]
         r = np.float32(p.repetition_penalty)
-        row[ids] = np.where(values > 0, values / r, values * r)
-    if p.presence_penalty or p.frequency_penalty:
-        ids, counts = np.unique(seen[num_prompt:], return_counts=True)
+        row[seen] = np.where(values > 0, values / r, values * r)
+    if counted is not None:
+        ids, counts = counted
         row[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
     if bias is not None:
         row[bias.ids] += bias.values
