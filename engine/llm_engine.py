@@ -20,7 +20,7 @@ from engine.errors import InvalidRequest
 from engine.core.output_processor import OutputState, make_output
 from engine.core.prompt_echo import PromptEchoes
 from engine.core.logits_processing import LogitBias, process_rows, processing_field
-from engine.serving.protocol import Generate, Output, WorkerStats
+from engine.serving.protocol import Detokenize, Generate, Output, SamplingParams, Tokenize, Tokens, WorkerStats
 from engine.spec_decode.proposer_pool import ProposerPool
 from engine.core.request_input import prompt_token_ids, scores_prompt, validate_params
 from engine.core.scheduler import ScheduledSeq
@@ -94,6 +94,16 @@ class LLMEngine:
         self.proposers.start(seq.request_id, msg.params.speculative_method, seq.token_ids[: seq.num_tokens])
         self.echoes.start(seq)
         self.scheduler.add(seq)
+
+    def tokens(self, msg: Tokenize | Detokenize) -> Tokens:
+        """/tokenize (a prompt's ids, as a Generate with its prompt fields would get them) or /detokenize."""
+        if isinstance(msg, Detokenize):
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in msg.token_ids):
+                raise InvalidRequest("tokens must be token ids of this model's vocabulary", "tokens")
+            return Tokens(msg.request_id, text=self.tokenizer.decode(msg.token_ids))
+        fields = {f: getattr(msg, f) for f in ("prompt", "messages", "tools_json", "add_generation_prompt")}
+        ids = prompt_token_ids(Generate(msg.request_id, SamplingParams(), **fields), self.tokenizer)
+        return Tokens(msg.request_id, token_ids=[int(t) for t in ids])
 
     def abort_request(self, request_id: str) -> None:
         seq = self.seqs.get(request_id)

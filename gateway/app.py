@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 import gateway
-from gateway import pages
+from gateway import pages, tokenize
 from gateway.auth import api_key_middleware
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
@@ -143,6 +143,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/openapi.json", openapi)

@@ -41,15 +41,15 @@ class RequestStream:
         self.request_id = request_id
         self.identity = worker.identity
         self.model = model  # served name, for metric labels
-        self.queue: asyncio.Queue[protocol.Output | protocol.RequestError] = asyncio.Queue()
+        self.queue: asyncio.Queue[protocol.Output | protocol.RequestError | protocol.Tokens] = asyncio.Queue()
         self.is_finished = False  # the engine is done with it (finished, refused or lost)
         self.timing = RequestTiming(arrival_time)
 
-    async def next(self) -> protocol.Output:
+    async def next(self) -> protocol.Output | protocol.Tokens:
         item = await self.queue.get()
         if isinstance(item, protocol.RequestError):
             raise OpenAIError.from_worker(item)
-        if item.finish_reason == "abort":
+        if isinstance(item, protocol.Output) and item.finish_reason == "abort":
             raise OpenAIError(503, "The engine aborted the request.", code="aborted")
         return item
 
@@ -215,7 +215,7 @@ class EngineClient:
             case protocol.Outputs(items=items):
                 for out in items:
                     self._on_output(worker, out, now)
-            case protocol.RequestError(request_id=request_id):
+            case protocol.RequestError(request_id=request_id) | protocol.Tokens(request_id=request_id):
                 stream = self._streams.get(request_id)
                 worker.request_ids.discard(request_id)
                 if stream is not None and not stream.is_finished and stream.identity == identity:

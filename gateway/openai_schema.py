@@ -175,14 +175,15 @@ _MISSING_RE = re.compile(r"missing required field `([^`]+)`")
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
-    return _decode(_completion_decoder, body)
+    return decode_with(_completion_decoder, body)
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
-    return _decode(_chat_decoder, body)
+    return decode_with(_chat_decoder, body)
 
 
-def _decode(decoder: msgspec.json.Decoder, body: bytes):
+def decode_with(decoder: msgspec.json.Decoder, body: bytes):
+    """A JSON body as the decoder's Struct; a 400 naming the field it could not take otherwise."""
     if not body.strip():
         raise bad_request("The request body is empty; send a JSON object.", None, code="invalid_json")
     try:

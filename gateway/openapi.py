@@ -15,6 +15,7 @@ import msgspec
 
 import gateway
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.tokenize import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{name}"
 
@@ -176,6 +177,16 @@ def _get(summary: str, schema: dict, *errors: int, content_type: str = "applicat
     return {"get": op}
 
 
+def _post(summary: str, request: str, response: dict) -> dict:
+    return {"post": {
+        "summary": summary,
+        "security": [{"bearer": []}, {}],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": response}}},
+                      **_errors(400, 401, 404, 413, 429, 503, 504)},
+    }}
+
+
 def _health() -> dict:
     op = _get("200 when at least one engine worker is ready", _ref("Health"))
     op["get"]["responses"]["503"] = {"description": "No engine worker is ready",
@@ -186,7 +197,8 @@ def _health() -> dict:
 @functools.cache
 def openapi_spec() -> dict:
     """The document (built once; the Structs do not change at run time)."""
-    _, components = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest], ref_template=REF)
+    _, components = msgspec.json.schema_components([CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                                    DetokenizeRequest], ref_template=REF)
     components["CompletionRequest"]["properties"]["prompt"] = PROMPT_SCHEMA
     components["CompletionRequest"]["required"] = ["prompt"]
     components["ResponseFormat"]["properties"]["type"] = RESPONSE_FORMAT_TYPE
@@ -206,6 +218,11 @@ def openapi_spec() -> dict:
             "/v1/models": _get("Served models", _ref("ModelList"), 401, secured=True),
             "/v1/speculant/stats": _get("Worker and gateway stats behind the dashboard", {"type": "object"}, 401,
                                         secured=True),
+            "/tokenize": _post("A prompt's token ids (vLLM's route)", "TokenizeRequest", {"type": "object", "properties": {
+                "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                "tokens": {"type": "array", "items": {"type": "integer"}}}}),
+            "/detokenize": _post("Token ids as text (vLLM's route)", "DetokenizeRequest", {
+                "type": "object", "properties": {"prompt": {"type": "string"}}}),
             "/health": _health(),
             "/version": _get("Gateway version", {"type": "object", "properties": {"version": {"type": "string"}}}),
             "/metrics": _get("Prometheus metrics", {"type": "string"}, content_type="text/plain"),

@@ -188,6 +188,26 @@ def test_echo_scores_a_prompt_as_generation_scored_it(client, model, tokenizer):
     assert "".join(c.choices[0].text for c in chunks) == both.choices[0].text
 
 
+def test_tokenize_and_detokenize(cluster, client, model, tokenizer):
+    """vLLM's /tokenize and /detokenize, answered by a worker's tokenizer: a text's ids, a chat's ids as its
+    completion counts them, the text back from ids, and 400s naming the field for bad bodies."""
+    status, body, _ = http(f"{cluster.url}/tokenize", {"model": model, "prompt": "Hello world, again"})
+    assert status == 200 and body["tokens"] == tokenizer.encode("Hello world, again")
+    assert (body["count"], body["max_model_len"]) == (len(body["tokens"]), MAX_MODEL_LEN)
+    messages = [{"role": "user", "content": "Name three prime numbers."}]
+    status, chat, _ = http(f"{cluster.url}/tokenize", {"messages": messages})
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert status == 200 and chat["count"] == reply.usage.prompt_tokens
+    status, back, _ = http(f"{cluster.url}/detokenize", {"tokens": body["tokens"]})
+    assert (status, back) == (200, {"prompt": "Hello world, again"})
+    for path, bad, param in (("tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                             ("tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+                             ("detokenize", {"tokens": [tokenizer.vocab_size]}, "tokens"),
+                             ("detokenize", {"tokens": "12"}, "tokens")):
+        status, error, _ = http(f"{cluster.url}/{path}", bad)
+        assert (status, error["error"]["param"]) == (400, param), error
+
+
 async def read_events(resp: aiohttp.ClientResponse, count: int) -> list[dict]:
     events = []
     async for line in resp.content:

@@ -21,7 +21,8 @@ from engine.serving.worker import Worker
 PROPERTY = settings(max_examples=300, deadline=None, database=None)
 SOCKET = settings(max_examples=60, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.function_scoped_fixture])
-TAGS = ["generate", "abort", "gateway_hello", "ready", "heartbeat", "outputs", "request_error", "goodbye"]
+TAGS = ["generate", "abort", "gateway_hello", "tokenize", "detokenize", "ready", "heartbeat", "outputs", "request_error",
+        "goodbye", "tokens"]
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**63, max_value=2**64 - 1),
                     st.floats(allow_nan=False), st.text(max_size=12), st.binary(max_size=12))
@@ -30,7 +31,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(
 # msgpack maps shaped like our messages: a known (or unknown) tag, known field names, any values.
 field_names = st.sampled_from(["request_id", "params", "prompt", "prompt_token_ids", "messages", "worker_id",
                                "model", "max_model_len", "protocol_version", "pid", "stats", "items",
-                               "message", "status", "gateway_id", "live_request_ids", "future_field"])
+                               "message", "status", "gateway_id", "live_request_ids", "token_ids", "text",
+                               "future_field"])
 tagged = st.builds(lambda tag, fields: {"type": tag, **fields},
                    st.sampled_from([*TAGS, "teleport", ""]), st.dictionaries(field_names, values, max_size=6))
 MESSAGE_TYPES = [*protocol.ToWorker.__args__, *protocol.ToGateway.__args__]
@@ -126,8 +128,8 @@ def test_worker_survives_arbitrary_frames(wire, frames):
         router.send_multipart([identity, frame])
     router.send_multipart([identity, *frames])
     replies = round_trip(router, identity, worker)
-    for msg in replies:  # a refusal names the request; nothing else is said
-        assert isinstance(msg, (protocol.Ready, protocol.RequestError, protocol.Heartbeat))
+    for msg in replies:  # a refusal names the request; a fuzzed (De)Tokenize that decoded is answered
+        assert isinstance(msg, (protocol.Ready, protocol.RequestError, protocol.Heartbeat, protocol.Tokens))
     for request_id in worker.engine.request_ids():  # a fuzzed Generate that decoded is a real request
         worker.abort(request_id)
     assert not worker.is_stopping

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Tokenize, Detokenize and Tokens
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
 
 
@@ -80,7 +80,24 @@ class GatewayHello(msgspec.Struct, tag="gateway_hello", frozen=True):
     live_request_ids: list[str] = []
 
 
-ToWorker = Generate | Abort | GatewayHello
+class Tokenize(msgspec.Struct, tag="tokenize", frozen=True):
+    """/tokenize: a prompt's token ids, as a Generate with these prompt fields would see them."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools_json: str | None = None
+    add_generation_prompt: bool = True
+
+
+class Detokenize(msgspec.Struct, tag="detokenize", frozen=True):
+    """/detokenize: token ids as text."""
+
+    request_id: str
+    token_ids: list[int] = []
+
+
+ToWorker = Generate | Abort | GatewayHello | Tokenize | Detokenize
 
 
 # ---------------------------------------------------------------- worker -> gateway
@@ -170,7 +187,15 @@ class Goodbye(msgspec.Struct, tag="goodbye", frozen=True):
     reason: str = "shutdown"
 
 
-ToGateway = Ready | Heartbeat | Outputs | RequestError | Goodbye
+class Tokens(msgspec.Struct, tag="tokens", frozen=True):
+    """The answer to Tokenize (token_ids) or Detokenize (text)."""
+
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+
+
+ToGateway = Ready | Heartbeat | Outputs | RequestError | Goodbye | Tokens
 
 _encoder = msgspec.msgpack.Encoder()
 worker_decoder = msgspec.msgpack.Decoder(ToWorker)

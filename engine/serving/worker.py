@@ -116,6 +116,8 @@ class Worker:
                 self.add(msg)
             case protocol.Abort(request_id=request_id):
                 self.abort(request_id)
+            case protocol.Tokenize() | protocol.Detokenize():
+                self.tokenize(msg)
             case protocol.GatewayHello(gateway_id=gateway_id, live_request_ids=live):
                 stale = self.engine.request_ids() - set(live)
                 log.info("gateway %s says hello; aborting %d stale requests", gateway_id, len(stale))
@@ -137,6 +139,15 @@ class Worker:
             self.refuse(msg.request_id, 500, f"The engine could not accept the request: {exc}")
             return
         self.arrivals[msg.request_id] = time.monotonic()
+
+    def tokenize(self, msg: protocol.Tokenize | protocol.Detokenize) -> None:
+        try:
+            self.send(self.engine.tokens(msg))
+        except InvalidRequest as exc:
+            self.refuse(msg.request_id, 400, exc.message, param=exc.param, code=exc.code)
+        except Exception as exc:  # a bug must cost one request, not the worker
+            log.exception("tokenize %s failed", msg.request_id)
+            self.refuse(msg.request_id, 500, f"The engine could not tokenize: {exc}")
 
     def abort(self, request_id: str) -> None:
         self.arrivals.pop(request_id, None)
