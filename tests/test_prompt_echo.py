@@ -42,9 +42,10 @@ def reference_logprobs(tiny, prompt: list[int], top: int) -> list[tuple[float, l
     return out
 
 
-def test_prompt_logprobs_match_the_reference_whatever_the_chunking_and_the_cache(tiny):
+def test_prompt_logprobs_match_the_reference_whatever_the_chunking_and_the_cache(tiny, monkeypatch):
     from conftest import engine_args
 
+    from engine.core import prompt_echo
     from engine.llm_engine import LLMEngine
 
     prompt = [(7 * i + 3) % 900 + 10 for i in range(40)]  # 40 tokens: two full blocks of 16 can be cached
@@ -52,7 +53,9 @@ def test_prompt_logprobs_match_the_reference_whatever_the_chunking_and_the_cache
     want = reference_logprobs(tiny, prompt, 2)
     whole = LLMEngine.from_args(engine_args(model=str(tiny), max_model_len=128))
     chunked = LLMEngine.from_args(engine_args(model=str(tiny), max_model_len=128, max_num_batched_tokens=16))
-    for engine, request_id in ((whole, "a"), (chunked, "b"), (whole, "c")):  # "c": its prefix blocks are cached
+    runs = ((whole, "a", 64), (chunked, "b", 64), (whole, "c", 64), (whole, "e", 7))  # "c", "e": prefix cached
+    for engine, request_id, rows_per_pass in runs:  # "e": a forward's rows scored 7 at a time
+        monkeypatch.setattr(prompt_echo, "ROWS_PER_PASS", rows_per_pass)
         out = first_output(engine, prompt, params, request_id)
         assert out.prompt_text == engine.tokenizer.decode(prompt)
         first, *rest = out.prompt_logprobs

@@ -18,6 +18,10 @@ from engine.core.request_input import scores_prompt
 from engine.core.sequence import Sequence
 from engine.serving.protocol import Output, TokenLogprob
 
+# rows whose logits are made at a time: a prefill chunk of 512 rows over Gemma 3's 262k-token vocabulary would
+# otherwise hold 0.5 GB of float32 logits at once
+ROWS_PER_PASS = 64
+
 
 class PromptEchoes:
     def __init__(self, tokenizer):
@@ -43,9 +47,12 @@ class PromptEchoes:
             if entries is None or not scores_prompt(seq.params) or start >= seq.num_prompt_tokens - 1:
                 continue
             num = min(item.num_new_tokens, seq.num_prompt_tokens - 1 - start)  # rows that predict prompt tokens
-            logits = runner.row_logits(int(batch.cu_q[i]) + np.arange(num))  # [num, vocab]
-            targets = seq.token_ids[start + 1 : start + 1 + num]
-            entries[start + 1 : start + 1 + num] = states[seq.request_id].logprobs(logits, targets, seq.params.logprobs)
+            for a in range(0, num, ROWS_PER_PASS):
+                b = min(num, a + ROWS_PER_PASS)
+                logits = runner.row_logits(int(batch.cu_q[i]) + np.arange(a, b))  # [b - a, vocab]
+                targets = seq.token_ids[start + 1 + a : start + 1 + b]
+                entries[start + 1 + a : start + 1 + b] = states[seq.request_id].logprobs(logits, targets,
+                                                                                         seq.params.logprobs)
 
     def attach(self, seq: Sequence, out: Output) -> Output:
         """The request's first Output with the prompt added (later ones as they are)."""
