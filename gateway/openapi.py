@@ -27,12 +27,12 @@ def _ref(name: str) -> dict:
 _NULLABLE_STR = {"anyOf": [{"type": "string"}, {"type": "null"}]}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 PROMPT_SCHEMA = {
-    "description": "One prompt: text, token ids, or a one-element list of either.",
+    "description": "A prompt (text or token ids), or a list of up to 64 prompts: each gets `n` choices, in order.",
     "anyOf": [
         {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 64},
         _TOKEN_IDS,
-        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 64},
     ],
 }
 
