@@ -128,6 +128,20 @@ def test_penalties_and_logit_bias_through_the_openai_client(client, model, token
     assert max(commonest(penalized), commonest(repetition)) < commonest(plain)
 
 
+def test_a_seeded_sampled_answer_is_the_same_with_drafting_on_and_off(client, model):
+    """A seed fixes a sampled answer whatever the worker drafts: its n-gram drafts are verified against the target's
+    own sample at each position, whose uniforms are keyed by (seed, position). Streamed or not, with drafting on
+    or off, the text is the same; another seed gives another text."""
+    prompt = "Repeat this line ten times: red green blue red green blue red green blue"
+    kw = dict(model=model, prompt=prompt, max_tokens=48, temperature=0.9, top_p=0.95, seed=2026)
+    drafted = client.completions.create(**kw)
+    assert drafted.usage.model_extra["speculative"]["num_accepted_tokens"] > 0
+    off = client.completions.create(**kw, extra_body={"speculative": {"n_max": 0}})
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    assert drafted.choices[0].text == off.choices[0].text == streamed
+    assert client.completions.create(**{**kw, "seed": 2027}).choices[0].text != drafted.choices[0].text
+
+
 def test_n_choices_streamed_and_not(client, model):
     """`n` choices run as one engine request each: greedy, every choice is the single answer, streamed chunks
     carry each choice's index and add up to its text, and usage counts the prompt once and every choice's

@@ -51,9 +51,11 @@ def test_nested_options_object_is_accepted(registry):
     assert config.options["suffix_decoding_max_tree_depth"] == 24
 
 
-def test_auto_strategy_is_greedy_at_temperature_zero_and_rejection_otherwise(registry):
+def test_auto_strategy_is_greedy_at_zero_then_target_match_for_one_hot_drafts_and_rejection_with_q(registry):
     config = parse({"method": "ngram"}, registry)
-    assert config.strategy_for(0.0) == "greedy" and config.strategy_for(0.7) == "rejection"
+    assert config.strategy_for(0.0) == "greedy" and config.strategy_for(0.0, has_draft_probs=True) == "greedy"
+    assert config.strategy_for(0.7) == "target_match" and config.strategy_for(0.7, has_draft_probs=True) == "rejection"
+    assert parse({"method": "ngram", "verify_strategy": "rejection"}, registry).strategy_for(0.7) == "rejection"
     assert parse({"method": "ngram", "verify_strategy": "topp"}, registry).strategy_for(0.0) == "topp"
 
 

@@ -91,6 +91,21 @@ def test_penalties_and_logit_bias_identical_to_non_speculative(spec_engine, engi
         assert sum(g.num_accepted_tokens for g in got) > 0, "no draft passed: the test proves nothing"
 
 
+def test_seeded_sampling_identical_to_non_speculative(spec_engine, engine, reference):
+    """A sampled row's uniforms are keyed by (seed, output position) and one-hot drafts are verified by sampling
+    the target (target_match): a seeded request emits, token for token, what plain decoding samples with that
+    seed, alone or batched, and its output is a sample (not the greedy one)."""
+    sampled = [SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=100 + i) for i in range(len(PROMPTS))]
+    want = [generate(engine, [p], s)[0] for p, s in zip(PROMPTS, sampled)]
+    alone = [generate(spec_engine, [p], s)[0] for p, s in zip(PROMPTS, sampled)]
+    assert [g.token_ids for g in alone] == [w.token_ids for w in want]
+    together = generate(spec_engine, PROMPTS, sampled)  # one batch, each request its own seed
+    assert [g.token_ids for g in together] == [w.token_ids for w in want]
+    assert [w.token_ids for w in want] != [r.token_ids for r in reference]
+    if spec_engine.spec_method != "naive":
+        assert sum(g.num_accepted_tokens for g in alone) > 0, "no draft passed: the test proves nothing"
+
+
 def test_per_request_cap_disables_drafting(spec_engine, reference):
     params = SamplingParams(max_tokens=48, temperature=0.0, num_speculative_tokens=0)
     got = generate(spec_engine, [PROMPTS[0]], params)[0]

@@ -51,6 +51,8 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
         raise InvalidRequest("top_p must be in (0, 1]", "top_p")
     if p.top_k < 0:
         raise InvalidRequest("top_k must be >= 0 (0 = off)", "top_k")
+    if p.seed is not None and not 0 <= p.seed < 2**63:
+        raise InvalidRequest("seed must be an integer in [0, 2**63)", "seed")
     if len(p.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):

@@ -11,6 +11,7 @@ from engine.serving.protocol import SamplingParams
 from engine.spec_decode.spec_control import SourceStats
 
 _arrival = itertools.count()
+_VERIFY_LANE = 1  # Philox key word that keeps verification's uniforms apart from any other keyed stream
 
 
 class Status(enum.Enum):
@@ -33,8 +34,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0
         self.last_block_hash = 0
-        # A fresh generator per request: its samples never depend on what else is batched.
+        # A fresh generator per request (a proposer's sampled drafts): never depends on what else is batched.
         self.rng = np.random.default_rng(params.seed)
+        # Verification's uniforms are keyed by (this key, output position), not drawn from a stream: see row_uniforms.
+        self.sample_key = params.seed if params.seed is not None else int(self.rng.integers(2**63))
         self.finish_reason: str | None = None
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -54,6 +57,19 @@ class Sequence:
     @property
     def output_ids(self) -> np.ndarray:
         return self.token_ids[self.num_prompt_tokens : self.num_tokens]
+
+    def row_uniforms(self, n: int) -> np.ndarray:
+        """[n, 2] float64 in [0, 1): the (accept test, sampling) uniforms of the next n output positions.
+
+        A pure function of the key and the position (Philox, a counter-based generator, with the position as its
+        counter), never of how many drafts a step verified or how steps were grouped. So the token sampled at an
+        output position is the same whether it came from a plain step or from any row of any verify step, and a
+        seeded request's output does not depend on its drafts (with verification that samples the target, as
+        target_match does)."""
+        first = self.num_output_tokens
+        raw = np.random.Philox(counter=[first, 0, 0, 0], key=[self.sample_key, _VERIFY_LANE]).random_raw(4 * n)
+        # [n, 4] uint64: counter `first + j` gives row j's block; its first two words, as 53-bit fractions
+        return (raw.reshape(n, 4)[:, :2] >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
     def append(self, token_id: int) -> None:
         self.token_ids[self.num_tokens] = token_id

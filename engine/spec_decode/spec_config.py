@@ -27,7 +27,8 @@ MAX_NUM_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str  # entry-point name: "naive" | "ngram" | "suffix" | a third-party proposer
     num_speculative_tokens: int  # K, the most drafts per request per step, 0..16
-    # None = auto: "greedy" at temperature 0, "rejection" otherwise (both lossless)
+    # None = auto: "greedy" at temperature 0, else "target_match" for one-hot drafts and "rejection" for drafts
+    # with q (all lossless; see strategy_for)
     verify_strategy: str | None = None
     accept_policy: str = "normal"  # "accept_all" / "reject_all" are for debugging
     # Load budget: at most this many draft tokens per engine step over the whole batch
@@ -65,11 +66,16 @@ class SpeculativeConfig:
         object.__setattr__(self, "verify_top_p", float(top_p))
         object.__setattr__(self, "options", dict(self.options))  # a private copy
 
-    def strategy_for(self, temperature: float) -> str:
-        """The verify strategy a request with this temperature gets."""
+    def strategy_for(self, temperature: float, has_draft_probs: bool = False) -> str:
+        """The verify strategy a request gets: greedy at temperature 0; sampled, `target_match` for one-hot drafts
+        (model-free, or greedy) and `rejection` for drafts sampled from a proposer's q. For one-hot drafts the two
+        accept a draft x with the same probability p(x) and emit the same distribution; target_match emits at
+        each position exactly the token plain decoding would sample there, so seeded output stays the same."""
         if self.verify_strategy is not None:
             return self.verify_strategy
-        return "greedy" if temperature == 0 else "rejection"
+        if temperature == 0:
+            return "greedy"
+        return "rejection" if has_draft_probs else "target_match"
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.model.cpu_runner import CacheConfig, ForwardBatch
-from engine.spec_decode.verify import GREEDY, NORMAL, POLICY_IDS, REJECTION, STRATEGY_IDS, verify
+from engine.spec_decode.verify import GREEDY, NORMAL, POLICY_IDS, STRATEGY_IDS, TARGET_MATCH, verify
 
 
 class StepBatch:
@@ -72,7 +72,8 @@ class StepBatch:
         self.temperature[r] = params.temperature
         self.top_p[r] = params.top_p
         self.top_k[r] = params.top_k
-        self.uniforms[lo : lo + 1 + num_d] = seq.rng.random((1 + num_d, 2))
+        if params.temperature > 0:  # greedy rows never read theirs
+            self.uniforms[lo : lo + 1 + num_d] = seq.row_uniforms(1 + num_d)
 
     def _stack_probs(self, probs) -> np.ndarray:
         """[num_drafts, vocab] q rows; one-hot (model-free) requests get zero rows the kernel ignores."""
@@ -84,7 +85,7 @@ class StepBatch:
         if n == 0:
             return
         for r in range(n):
-            self.strategy[r] = self._strategy(spec, self.temperature[r])
+            self.strategy[r] = self._strategy(spec, self.temperature[r], self.has_draft_probs[r])
         policy = POLICY_IDS[spec.accept_policy] if spec else NORMAL
         topp = {"max_candidate_len": spec.max_candidate_len, "verify_top_p": spec.verify_top_p} if spec else {}
         num_rows = int(self.cu_rows[n])
@@ -97,10 +98,10 @@ class StepBatch:
         )
 
     @staticmethod
-    def _strategy(spec, temperature: float) -> int:
+    def _strategy(spec, temperature: float, has_q: bool) -> int:
         if spec is not None:
-            return STRATEGY_IDS[spec.strategy_for(temperature)]
-        return GREEDY if temperature == 0 else REJECTION
+            return STRATEGY_IDS[spec.strategy_for(temperature, has_q)]
+        return GREEDY if temperature == 0 else TARGET_MATCH
 
     def sampling_runs(self, sched, wanted) -> list[tuple]:
         """(sequence, first logits row, its drafts) of the sampling requests for which wanted(sequence)."""

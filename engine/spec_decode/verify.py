@@ -29,8 +29,9 @@ accepts none and emits what decoding without speculation would emit at the first
 sample of p with that row's sampling uniform).
 
 Sampling is by inverse CDF over token ids with a given uniform, so results are a pure function of
-the inputs: the engine draws the uniforms from each request's own seeded generator, which makes a
-request's output independent of what else is in the batch.
+the inputs. The engine keys each row's uniforms by the request's seed and the row's output position
+(Sequence.row_uniforms), so a request's output depends neither on what else is in the batch nor, with
+GREEDY or TARGET_MATCH, on its drafts: a seeded sampled request emits what plain decoding emits.
 """
 
 from __future__ import annotations
