@@ -19,13 +19,13 @@ from engine.engine_setup import EngineParts, build_engine_parts
 from engine.errors import InvalidRequest
 from engine.core.output_processor import OutputState, make_output
 from engine.core.prompt_echo import PromptEchoes
-from engine.core.logits_processing import LogitBias, process_rows, processing_field
-from engine.serving.protocol import Detokenize, Generate, Output, SamplingParams, Tokenize, Tokens, WorkerStats
+from engine.core.logits_processing import RequestArrays, process_rows, processing_field
+from engine.serving.protocol import Detokenize, Generate, Output, Tokenize, Tokens, WorkerStats
 from engine.spec_decode.proposer_pool import ProposerPool
-from engine.core.request_input import prompt_token_ids, scores_prompt, validate_params
+from engine.core.request_input import prompt_token_ids, scores_prompt, tokens_reply, validate_params
 from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
-from engine.spec_decode.spec_log import SpecLogger
+from engine.spec_decode.spec_log import SpecLogger, SpecTotals
 from engine.spec_decode.step_batch import StepBatch
 from engine.structured.grammars import GRAMMAR_SOURCE, Grammars
 
@@ -51,12 +51,11 @@ class LLMEngine:
         self.step_batch = StepBatch(parts.cache, parts.runner.config.vocab_size)
         self.seqs: dict[str, Sequence] = {}
         self.states: dict[str, OutputState] = {}
-        self.accepted_per_pos = np.zeros(max(self.num_speculative_tokens, 1), np.int64)
-        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_grammar_tokens": 0}
+        self.spec_totals = SpecTotals(self.num_speculative_tokens)
         self.grammars = Grammars(self.tokenizer, parts.runner.config.vocab_size)
         self.forced: dict[str, list[int]] = {}  # this step: request -> the tokens its grammar forces next
-        self.processed: set[str] = set()  # requests with penalties, a logit bias or min_p (logits_processing)
-        self.biases: dict[str, LogitBias] = {}  # their logit_bias, as arrays
+        # requests whose rows are processed (penalties, logit_bias, min_p, ...: logits_processing) -> their arrays
+        self.row_arrays: dict[str, RequestArrays] = {}
         self.echoes = PromptEchoes(self.tokenizer)  # completions' echo: the prompt on the first output
         self.spec_logger = SpecLogger()
 
@@ -77,17 +76,16 @@ class LLMEngine:
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
         processing = processing_field(msg.params) or ("echo" if scores_prompt(msg.params) else None)
         if processing and not self.runner.supports_grammars:
-            raise InvalidRequest(f"{processing}: penalties, logit_bias, min_p and prompt logprobs run on the CPU backend "
-                                 "only", processing)
+            raise InvalidRequest(f"{processing}: penalties, logit_bias, min_p, min_tokens, allowed_token_ids and "
+                                 "prompt logprobs run on the CPU backend only", processing)
         if msg.params.grammar is not None:
             if not self.runner.supports_grammars:
                 raise InvalidRequest("response_format: constrained decoding runs on the CPU backend only",
                                      "response_format")
             self.grammars.start(msg.request_id, msg.params.grammar)
         if processing_field(msg.params):
-            self.processed.add(msg.request_id)
-            if msg.params.logit_bias:
-                self.biases[msg.request_id] = LogitBias(msg.params.logit_bias)
+            self.row_arrays[msg.request_id] = RequestArrays(msg.params, self.tokenizer.stop_token_ids,
+                                                            self.runner.config.vocab_size)
         seq = Sequence(msg.request_id, ids, msg.params, self.max_model_len + self.num_speculative_tokens + 1)
         self.seqs[seq.request_id] = seq
         self.states[seq.request_id] = OutputState(self.tokenizer, seq, self.max_model_len)
@@ -96,14 +94,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def tokens(self, msg: Tokenize | Detokenize) -> Tokens:
-        """/tokenize (a prompt's ids, as a Generate with its prompt fields would get them) or /detokenize."""
-        if isinstance(msg, Detokenize):
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in msg.token_ids):
-                raise InvalidRequest("tokens must be token ids of this model's vocabulary", "tokens")
-            return Tokens(msg.request_id, text=self.tokenizer.decode(msg.token_ids))
-        fields = {f: getattr(msg, f) for f in ("prompt", "messages", "tools_json", "add_generation_prompt")}
-        ids = prompt_token_ids(Generate(msg.request_id, SamplingParams(), **fields), self.tokenizer)
-        return Tokens(msg.request_id, token_ids=[int(t) for t in ids])
+        return tokens_reply(msg, self.tokenizer)
 
     def abort_request(self, request_id: str) -> None:
         seq = self.seqs.get(request_id)
@@ -119,8 +110,7 @@ class LLMEngine:
 
     def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.processed.discard(seq.request_id)
-        self.biases.pop(seq.request_id, None)
+        self.row_arrays.pop(seq.request_id, None)
         self.seqs.pop(seq.request_id, None)
         self.states.pop(seq.request_id, None)
         self.proposers.stop(seq.request_id)
@@ -142,7 +132,7 @@ class LLMEngine:
         self.step_batch.verify(logits, self.spec)
         outputs = self.accept_and_emit(sched, logits)
         if self.proposer is not None:
-            self.spec_logger.maybe_log(self.totals, self.accepted_per_pos)
+            self.spec_logger.maybe_log(self.spec_totals)
         return outputs
 
     def process_logits(self, sched: list[ScheduledSeq], batch: StepBatch, logits: np.ndarray) -> None:
@@ -152,8 +142,8 @@ class LLMEngine:
             matchers = self.grammars.matchers
             runs = batch.sampling_runs(sched, lambda s: s.request_id in matchers)
             self.grammars.mask_rows(logits, [(s.request_id, lo, drafts) for s, lo, drafts in runs])
-        if self.processed:
-            process_rows(logits, batch.sampling_runs(sched, lambda s: s.request_id in self.processed), self.biases)
+        if self.row_arrays:
+            process_rows(logits, batch.sampling_runs(sched, lambda s: s.request_id in self.row_arrays), self.row_arrays)
 
     def schedule(self) -> list[ScheduledSeq]:
         self.controller.start_step()
@@ -251,8 +241,7 @@ class LLMEngine:
         it completed (the request then stops there, exactly where plain constrained decoding stops)."""
         n, done = self.grammars.advance(seq.request_id, token_ids)
         if self.draft_source.get(seq.request_id) == GRAMMAR_SOURCE:
-            seq.num_grammar_tokens += min(num_accepted, n)
-            self.totals["num_grammar_tokens"] += min(num_accepted, n)
+            self.spec_totals.record_grammar(seq, min(num_accepted, n))
         return token_ids[:n], done
 
     def _observe_hidden(self, i: int, item: ScheduledSeq, num_accepted: int) -> None:
@@ -299,13 +288,7 @@ class LLMEngine:
         self.controller.record(seq.draft_stats, source, num_drafts_seen, num_accepted)
         if num_drafts == 0:
             return
-        seq.num_drafts += 1
-        seq.num_draft_tokens += num_drafts
-        seq.num_accepted_tokens += num_accepted
-        self.totals["num_drafts"] += 1
-        self.totals["num_draft_tokens"] += num_drafts
-        self.totals["num_accepted_tokens"] += num_accepted
-        self.accepted_per_pos[:num_accepted] += 1
+        self.spec_totals.record(seq, num_drafts, num_accepted)
 
     # ------------------------------------------------------------------ stats
 
@@ -318,8 +301,7 @@ class LLMEngine:
             num_free_blocks=blocks.num_free,
             num_total_blocks=blocks.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            accepted_per_pos=[int(x) for x in self.accepted_per_pos],
             prefix_cache_hits=blocks.num_cache_hits,
             prefix_cache_queries=blocks.num_cache_queries,
-            **self.totals,
+            **self.spec_totals.fields(),
         )

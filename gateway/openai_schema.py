@@ -80,6 +80,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     min_p: float | None = None  # vLLM's and llama.cpp's extension
+    min_tokens: int | None = None  # vLLM's extension
+    allowed_token_ids: list[int] | None = None  # vLLM's extension
     user: str | None = None
     speculative: SpeculativeOptions | None = None
     speculative_n_max: int | None = msgspec.field(name="speculative.n_max", default=None)

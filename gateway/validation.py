@@ -3,7 +3,7 @@
 Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
 a per-request speculation cap `speculative.n_max` in 0..64, `speculative.method` a proposer name, at
-most 1,024 tokens in `logit_bias`, at most 16 choices (`n`) and at most 64 prompts in one completions request.
+most 1,024 tokens in `logit_bias` and 65,536 in `allowed_token_ids`, at most 16 choices (`n`) and at most 64 prompts in one completions request.
 Output constraints (`response_format`, `speculant.regex` / `speculant.grammar`) are compiled and
 checked in `gateway.constraints`; tools and tool_choice in `gateway.tools` and `gateway.tool_grammar`.
 """
@@ -31,6 +31,7 @@ MAX_SPEC_TOKENS = 64
 MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
+MAX_ALLOWED_TOKENS = 65536  # tokens in one allowed_token_ids
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -97,6 +98,8 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
     top_k = 0 if req.top_k is None else req.top_k
     _require(-1 <= top_k <= MAX_TOKEN_ID, "top_k", "top_k must be -1 (off), 0 (off) or a positive integer")
     _require(req.seed is None or 0 <= req.seed < 2**63, "seed", "seed must be an integer in [0, 2**63)")
+    _require(req.min_tokens is None or 0 <= req.min_tokens <= (opts.max_tokens or MAX_TOKEN_ID), "min_tokens",
+             f"min_tokens must be between 0 and {opts.max_tokens_param}")
     return protocol.SamplingParams(
         max_tokens=opts.max_tokens or 1,
         temperature=temperature,
@@ -115,6 +118,8 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         logit_bias=_logit_bias(req.logit_bias),
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens or 0,
+        allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
         grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
     )
 
@@ -130,6 +135,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         _require(-100.0 <= value <= 100.0, "logit_bias", "logit_bias values must be between -100 and 100")
         out[int(key)] = float(value)
     return out
+
+
+def _allowed_token_ids(ids: list[int] | None) -> list[int]:
+    """vLLM's allowed_token_ids: only these may be sampled (the worker checks them against its vocabulary)."""
+    if ids is None:
+        return []
+    _require(0 < len(ids) <= MAX_ALLOWED_TOKENS, "allowed_token_ids",
+             f"allowed_token_ids must list 1..{MAX_ALLOWED_TOKENS} token ids")
+    _require(all(0 <= i <= MAX_TOKEN_ID for i in ids), "allowed_token_ids",
+             "allowed_token_ids must be non-negative token ids")
+    return list(ids)
 
 
 def _stop_strings(stop: str | list[str] | None) -> list[str]:

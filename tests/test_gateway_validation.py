@@ -76,6 +76,12 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "logit_bias": {"a": 1.0}}, "logit_bias"),
     ("completions", {"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias"),
     ("completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ("completions", {"prompt": "a", "min_tokens": -1}, "min_tokens"),
+    ("completions", {"prompt": "a", "max_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 5, "min_tokens": 6}, "min_tokens"),
+    ("completions", {"prompt": "a", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("completions", {"prompt": "a", "allowed_token_ids": [-3]}, "allowed_token_ids"),
+    ("completions", {"prompt": "a", "allowed_token_ids": "5"}, "allowed_token_ids"),
     ("completions", {"prompt": "a", "model": 5}, "model"),
     ("completions", {"max_tokens": 4}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
@@ -144,7 +150,8 @@ async def test_unparseable_body_is_400(client, raw):
                                    {"speculant": {"regex": "[0-9]+", "provenance": True}},
                                    {"tools": [TOOL], "tool_choice": "required"},
                                    {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}},
-                                   {"repetition_penalty": 1.2, "min_p": 0.05}, {"n": 3, "seed": 5}])
+                                   {"repetition_penalty": 1.2, "min_p": 0.05}, {"n": 3, "seed": 5},
+                                   {"min_tokens": 4, "allowed_token_ids": [5, 6]}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503

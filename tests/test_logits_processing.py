@@ -1,7 +1,8 @@
-"""Penalties, logit_bias and min_p (engine/core/logits_processing.py), against references written here from
-the parameters' definitions: repetition_penalty r (vLLM): a seen token's logit / r if positive, else * r;
-OpenAI's logit -= frequency * c + presence * (c > 0), c its count among the generated tokens, then += logit_bias;
-min_p m at temperature T: a token below max + T * log(m) is removed."""
+"""Penalties, logit_bias, min_p, min_tokens and allowed_token_ids (engine/core/logits_processing.py), against
+references written here from the parameters' definitions: allowed_token_ids (vLLM): every other token removed;
+min_tokens n (vLLM): the stop tokens removed at output positions below n; repetition_penalty r (vLLM): a seen
+token's logit / r if positive, else * r; OpenAI's logit -= frequency * c + presence * (c > 0), c its count among
+the generated tokens, then += logit_bias; min_p m at temperature T: a token below max + T * log(m) is removed."""
 
 from __future__ import annotations
 
@@ -13,16 +14,22 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.core.logits_processing import LogitBias, process_rows
+from engine.core.logits_processing import RequestArrays, process_rows
 from engine.generate import generate
 from engine.serving.protocol import Generate, SamplingParams
 
 F32 = np.float32
 
 
-def processed(logits: np.ndarray, prompt: list[int], generated: list[int], p: SamplingParams) -> np.ndarray:
-    """One row processed token by token, each parameter as its documentation writes it (float32 throughout)."""
+def processed(logits: np.ndarray, prompt: list[int], generated: list[int], p: SamplingParams,
+              stops: tuple = ()) -> np.ndarray:
+    """One row processed token by token, each parameter as its documentation writes it (float32 throughout);
+    stops: the stop tokens min_tokens holds back (the caller's EOS and stop_token_ids)."""
     out = logits.copy()
+    if p.allowed_token_ids:
+        out[[t for t in range(len(out)) if t not in p.allowed_token_ids]] = -np.inf
+    if len(generated) < p.min_tokens:
+        out[list(stops)] = -np.inf
     for token in set(prompt) | set(generated):
         if p.repetition_penalty != 1.0:
             r = F32(p.repetition_penalty)
@@ -42,17 +49,28 @@ def test_each_verify_row_counts_the_drafts_before_it():
     penalties skip the prompt's tokens, the repetition penalty does not."""
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0.7, frequency_penalty=0.7, presence_penalty=-0.3, repetition_penalty=1.3,
-                            min_p=0.05, logit_bias={3: 5.0, 11: -100.0})
+                            min_p=0.05, logit_bias={3: 5.0, 11: -100.0}, min_tokens=6, stop_token_ids=[2],
+                            allowed_token_ids=[t for t in range(16) if t != 9])
     prompt, generated, drafts = [3, 3, 4, 12], [5, 6, 5, 9], np.array([5, 3, 7], np.int32)
-    seq = SimpleNamespace(request_id="r", params=params, num_prompt_tokens=len(prompt),
+    seq = SimpleNamespace(request_id="r", params=params, num_prompt_tokens=len(prompt), num_output_tokens=4,
                           num_tokens=len(prompt) + len(generated), token_ids=np.array(prompt + generated + [0] * 8))
     logits = (3 * rng.standard_normal((6, 16))).astype(np.float32)  # [rows, vocab]: rows 1..4 are this request's
     want = logits.copy()
     for j in range(1 + len(drafts)):
-        want[1 + j] = processed(logits[1 + j], prompt, generated + drafts[:j].tolist(), params)
-    process_rows(logits, [(seq, 1, drafts)], {"r": LogitBias(params.logit_bias)})
+        want[1 + j] = processed(logits[1 + j], prompt, generated + drafts[:j].tolist(), params, stops=(2, 0))
+    process_rows(logits, [(seq, 1, drafts)], {"r": RequestArrays(params, [0], 16)})  # EOS: token 0
     np.testing.assert_array_equal(logits, want)
     assert np.isinf(want[1:5]).any() and not np.isinf(want[1:5]).all(1).any()  # min_p removed some, never all
+    assert np.isinf(want[1:5, 9]).all() and np.isinf(want[1:3, [0, 2]]).all()  # not allowed; held back at 4, 5
+
+
+def test_min_tokens_lets_a_row_stop_when_nothing_else_is_allowed():
+    params = SamplingParams(temperature=0.0, min_tokens=5, allowed_token_ids=[0, 4])
+    seq = SimpleNamespace(request_id="r", params=params, num_prompt_tokens=1, num_output_tokens=0, num_tokens=1,
+                          token_ids=np.zeros(8, np.int32))
+    logits = np.arange(16, dtype=np.float32)[None].repeat(2, 0)  # [rows, vocab]
+    process_rows(logits, [(seq, 0, np.array([4], np.int32))], {"r": RequestArrays(params, [0, 4], 16)})
+    assert logits[0, 0] == 0.0 and logits[0, 4] == 4.0 and np.isinf(logits[0, 1:4]).all()  # both stop: kept
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +117,7 @@ CASES = {  # name: (params, the same without what is tested)
                  {"logit_bias": PUSH, "frequency_penalty": 1.0}),
     "repetition": ({"logit_bias": {17: 24.0}, "repetition_penalty": 2.0}, {"logit_bias": {17: 24.0}}),
     "logit_bias": ({"logit_bias": {17: 30.0, 300: -100.0}}, {}),
+    "allowed_token_ids": ({"allowed_token_ids": [5, 17, 80, 81, 82, 300, 301]}, {}),
 }
 
 
@@ -113,6 +132,20 @@ def test_greedy_decoding_follows_the_reference(tiny_engine, raw_logits, case):
         ids.append(int(np.argmax(processed(raw_logits(ids), PROMPT, ids[len(PROMPT):], params))))
     assert got == ids[len(PROMPT):]
     assert got != generate(tiny_engine, [PROMPT], without)[0].token_ids
+
+
+def test_min_tokens_holds_a_stop_token_back_until_its_position(tiny_engine, raw_logits):
+    """A stop token greedy decoding emits third is held back until output position 10, as the reference does
+    (stop ids masked below min_tokens), then stops the request when greedy picks it again."""
+    stop = generate(tiny_engine, [PROMPT], GREEDY)[0].token_ids[2]
+    short = generate(tiny_engine, [PROMPT], msgspec.structs.replace(GREEDY, stop_token_ids=[stop]))[0]
+    params = msgspec.structs.replace(GREEDY, stop_token_ids=[stop], min_tokens=10)
+    got = generate(tiny_engine, [PROMPT], params)[0]
+    ids = list(PROMPT)
+    while len(ids) - len(PROMPT) < params.max_tokens and (len(ids) == len(PROMPT) or ids[-1] != stop):
+        ids.append(int(np.argmax(processed(raw_logits(ids), PROMPT, ids[len(PROMPT):], params, stops=(stop,)))))
+    assert got.token_ids == ids[len(PROMPT):] and len(short.token_ids) == 3 and len(got.token_ids) > 10
+    assert stop not in got.token_ids[:10]
 
 
 def test_sampled_tokens_keep_to_min_p_with_drafts(tiny, raw_logits, make_engine):
@@ -143,8 +176,11 @@ def test_out_of_range_values_are_refused_by_name(engine):
     vocab = engine.tokenizer.vocab_size
     for fields, param in (({"logit_bias": {vocab: 1.0}}, "logit_bias"), ({"logit_bias": {5: 101.0}}, "logit_bias"),
                           ({"presence_penalty": 2.5}, "presence_penalty"),
-                          ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p")):
+                          ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+                          ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                          ({"allowed_token_ids": [vocab]}, "allowed_token_ids"),
+                          ({"allowed_token_ids": [5], "grammar": "{}"}, "allowed_token_ids")):
         with pytest.raises(InvalidRequest) as err:
             engine.add_request(Generate("bad", SamplingParams(**fields), prompt="hi"))
         assert err.value.param == param
-    assert "bad" not in engine.request_ids() and not engine.processed
+    assert "bad" not in engine.request_ids() and not engine.row_arrays

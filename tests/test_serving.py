@@ -128,6 +128,23 @@ def test_penalties_and_logit_bias_through_the_openai_client(client, model, token
     assert max(commonest(penalized), commonest(repetition)) < commonest(plain)
 
 
+def test_min_tokens_and_allowed_token_ids_through_the_openai_client(client, model, tokenizer):
+    """vLLM's min_tokens holds EOS back (a one-word answer runs on to at least 24 tokens; with drafting off the
+    text is the same) and allowed_token_ids keeps every sampled token inside the list."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Answer with one word: is water wet?"}],
+              max_tokens=40, temperature=0)
+    short = client.chat.completions.create(**kw)
+    assert short.usage.completion_tokens < 24 and short.choices[0].finish_reason == "stop"
+    held = client.chat.completions.create(**kw, extra_body={"min_tokens": 24})
+    assert held.usage.completion_tokens >= 24
+    off = client.chat.completions.create(**kw, extra_body={"min_tokens": 24, "speculative": {"n_max": 0}})
+    assert held.choices[0].message.content == off.choices[0].message.content
+    allowed = tokenizer.encode(" red green blue") + tokenizer.encode(" yellow")
+    picked = client.completions.create(model=model, prompt="Colours:", max_tokens=12, temperature=1.0, seed=3,
+                                       extra_body={"allowed_token_ids": allowed})
+    assert set(tokenizer.encode(picked.choices[0].text)) <= set(allowed) and picked.usage.completion_tokens == 12
+
+
 def test_a_seeded_sampled_answer_is_the_same_with_drafting_on_and_off(client, model):
     """A seed fixes a sampled answer whatever the worker drafts: its n-gram drafts are verified against the target's
     own sample at each position, whose uniforms are keyed by (seed, position). Streamed or not, with drafting on

@@ -1,8 +1,13 @@
-"""Penalties, logit_bias and min_p, applied in place to the logits rows a step samples from.
+"""Penalties, logit_bias, min_p, min_tokens and allowed_token_ids, applied in place to the logits rows a step
+samples from.
 
 For a row that follows a request's tokens, in float32 and in this order (the parameters at their defaults
 skip their part):
 
+    allowed_token_ids (vLLM's): every other token is removed (-inf)
+    min_tokens n (vLLM's): at output positions below n the stop tokens (EOS unless ignore_eos, and the
+        request's stop_token_ids) are removed, unless nothing else is left (then the request may only stop);
+        the output processor does not look for stop strings before n tokens either
     repetition_penalty r (vLLM's): each token seen in the prompt or the generated text:
         logit / r if logit > 0, else logit * r
     frequency_penalty f, presence_penalty p (OpenAI's): with c[t] the times t occurs in the generated text
@@ -13,7 +18,7 @@ skip their part):
         m times the most likely one's is removed (-inf): logit < max + T * log(m)
 
 A verify step holds a request's rows 0..k: row j follows its tokens and then drafts 0..j-1, so row j
-counts those drafts too. Each row thus gets the logits plain decoding samples that position from: greedy
+counts those drafts too (and samples output position num_output_tokens + j). Each row thus gets the logits plain decoding samples that position from: greedy
 speculative output stays identical to plain output, and the rejection test (and the residual a rejected
 draft is resampled from) uses the processed target. A grammar's mask comes first (engine/llm_engine.py),
 so min_p measures against the most likely allowed token. Logprobs are those of the processed logits.
@@ -30,23 +35,32 @@ def processing_field(params: SamplingParams) -> str | None:
     """The first parameter that has a request's logits rows processed here; None: they need nothing."""
     asks = (("repetition_penalty", params.repetition_penalty != 1.0), ("presence_penalty", params.presence_penalty),
             ("frequency_penalty", params.frequency_penalty), ("logit_bias", params.logit_bias),
-            ("min_p", params.min_p and params.temperature > 0))
+            ("min_p", params.min_p and params.temperature > 0), ("min_tokens", params.min_tokens > 0),
+            ("allowed_token_ids", params.allowed_token_ids))
     return next((name for name, asked in asks if asked), None)
 
 
-class LogitBias:
-    """A request's logit_bias as (token ids, float32 biases), built once per request."""
+class RequestArrays:
+    """What a request's rows need as arrays, built once per request: its logit_bias as (ids, float32 values),
+    the stop tokens min_tokens holds back, and the allowed_token_ids as a mask."""
 
-    __slots__ = ("ids", "values")
+    __slots__ = ("bias_ids", "bias_values", "stop_ids", "allowed")
 
-    def __init__(self, bias: dict[int, float]):
-        self.ids = np.fromiter(bias.keys(), np.int64, len(bias))  # [B]
-        self.values = np.fromiter(bias.values(), np.float32, len(bias))  # [B]
+    def __init__(self, params: SamplingParams, eos_ids, vocab_size: int):
+        bias = params.logit_bias
+        self.bias_ids = np.fromiter(bias.keys(), np.int64, len(bias))  # [B]
+        self.bias_values = np.fromiter(bias.values(), np.float32, len(bias))  # [B]
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+        self.stop_ids = np.array(sorted(stops), np.int64) if params.min_tokens else None  # [S]
+        self.allowed = None  # [vocab] bool
+        if params.allowed_token_ids:
+            self.allowed = np.zeros(vocab_size, np.bool_)
+            self.allowed[params.allowed_token_ids] = True
 
 
-def process_rows(logits: np.ndarray, runs, biases: dict[str, LogitBias]) -> None:
+def process_rows(logits: np.ndarray, runs, arrays: dict[str, RequestArrays]) -> None:
     """runs: (sequence, first row, drafts) of each sampling request that needs processing
-    (StepBatch.sampling_runs); biases: request id -> its LogitBias."""
+    (StepBatch.sampling_runs); arrays: request id -> its RequestArrays."""
     for seq, first, drafts in runs:
         p = seq.params
         tokens = seq.token_ids[: seq.num_tokens]  # prompt + generated
@@ -57,7 +71,7 @@ def process_rows(logits: np.ndarray, runs, biases: dict[str, LogitBias]) -> None
             if j:  # row j also follows draft j - 1
                 seen = None if seen is None else np.union1d(seen, drafts[j - 1 : j])
                 counted = None if counted is None else _count_one(*counted, int(drafts[j - 1]))
-            _process(logits[first + j], seen, counted, p, biases.get(seq.request_id))
+            _process(logits[first + j], seen, counted, p, arrays[seq.request_id], seq.num_output_tokens + j)
 
 
 def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,9 +84,16 @@ def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndar
     return np.insert(ids, k, token), np.insert(counts, k, 1)
 
 
-def _process(row: np.ndarray, seen, counted, p: SamplingParams, bias: LogitBias | None) -> None:
-    """One row [vocab]: seen, the distinct tokens before it (for the repetition penalty); counted, the generated
-    ones with their counts (for the frequency and presence penalties)."""
+def _process(row: np.ndarray, seen, counted, p: SamplingParams, arrays: RequestArrays, position: int) -> None:
+    """One row [vocab] that samples output `position`: seen, the distinct tokens before it (for the repetition
+    penalty); counted, the generated ones with their counts (for the frequency and presence penalties)."""
+    if arrays.allowed is not None:
+        row[~arrays.allowed] = -np.inf
+    if arrays.stop_ids is not None and position < p.min_tokens:
+        held = row[arrays.stop_ids]
+        row[arrays.stop_ids] = -np.inf
+        if not np.isfinite(row).any():  # nothing but a stop was possible here: let the request stop
+            row[arrays.stop_ids] = held
     if seen is not None:
         values = row[seen]
         r = np.float32(p.repetition_penalty)
@@ -80,7 +101,7 @@ def _process(row: np.ndarray, seen, counted, p: SamplingParams, bias: LogitBias 
     if counted is not None:
         ids, counts = counted
         row[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
-    if bias is not None:
-        row[bias.ids] += bias.values
+    if len(arrays.bias_ids):
+        row[arrays.bias_ids] += arrays.bias_values
     if p.min_p and p.temperature > 0:
         row[row < row.max() + np.float32(p.temperature * np.log(p.min_p))] = -np.inf

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.core.sequence import Sequence
 from engine.model.detokenizer import IncrementalDetokenizer
 from engine.serving.protocol import Output, TokenLogprob
-from engine.core.sequence import Sequence
 
 
 class OutputState:
@@ -52,7 +52,7 @@ class OutputState:
                 return n
             before = len(self.text)
             self.text += self.detok.push([tok])
-            if self.stops and self._check_stop_string(before):
+            if self.stops and seq.num_output_tokens >= params.min_tokens and self._check_stop_string(before):
                 seq.finish_reason = "stop"
                 return n
             if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -6,7 +6,7 @@ import math
 
 from engine.errors import InvalidRequest
 from engine.model.tool_prompt import render_inputs
-from engine.serving.protocol import Generate, SamplingParams
+from engine.serving.protocol import Detokenize, Generate, SamplingParams, Tokenize, Tokens
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
@@ -36,6 +36,17 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
     return ids
 
 
+def tokens_reply(msg: Tokenize | Detokenize, tokenizer) -> Tokens:
+    """/tokenize (a prompt's ids, as a Generate with its prompt fields would get them) or /detokenize."""
+    if isinstance(msg, Detokenize):
+        if any(not 0 <= t < tokenizer.vocab_size for t in msg.token_ids):
+            raise InvalidRequest("tokens must be token ids of this model's vocabulary", "tokens")
+        return Tokens(msg.request_id, text=tokenizer.decode(msg.token_ids))
+    fields = {f: getattr(msg, f) for f in ("prompt", "messages", "tools_json", "add_generation_prompt")}
+    ids = prompt_token_ids(Generate(msg.request_id, SamplingParams(), **fields), tokenizer)
+    return Tokens(msg.request_id, token_ids=[int(t) for t in ids])
+
+
 def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> None:
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequest(
@@ -59,6 +70,13 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
         raise InvalidRequest("stop_token_ids must be token ids of this model's vocabulary", "stop_token_ids")
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    _check_processing(p, vocab_size)
+    if p.num_speculative_tokens is not None and not 0 <= p.num_speculative_tokens <= 64:
+        raise InvalidRequest("speculative.n_max must be between 0 and 64", "speculative")
+
+
+def _check_processing(p: SamplingParams, vocab_size: int) -> None:
+    """The parameters engine/core/logits_processing.py applies."""
     for name in ("presence_penalty", "frequency_penalty"):
         if not (math.isfinite(getattr(p, name)) and -2.0 <= getattr(p, name) <= 2.0):
             raise InvalidRequest(f"{name} must be between -2 and 2", name)
@@ -66,12 +84,17 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
         raise InvalidRequest("repetition_penalty must be in (0, 2]", "repetition_penalty")
     if not (math.isfinite(p.min_p) and 0.0 <= p.min_p <= 1.0):
         raise InvalidRequest("min_p must be between 0 and 1", "min_p")
+    if not isinstance(p.min_tokens, int) or not 0 <= p.min_tokens <= p.max_tokens:
+        raise InvalidRequest("min_tokens must be an integer between 0 and max_tokens", "min_tokens")
+    if any(not 0 <= t < vocab_size for t in p.allowed_token_ids):
+        raise InvalidRequest("allowed_token_ids must be token ids of this model's vocabulary", "allowed_token_ids")
+    if p.allowed_token_ids and p.grammar is not None:
+        raise InvalidRequest("allowed_token_ids cannot be combined with an output constraint (response_format, "
+                             "tools, a regex or grammar)", "allowed_token_ids")
     if any(not 0 <= t < vocab_size for t in p.logit_bias):
         raise InvalidRequest("logit_bias keys must be token ids of this model's vocabulary", "logit_bias")
     if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in p.logit_bias.values()):
         raise InvalidRequest("logit_bias values must be between -100 and 100", "logit_bias")
-    if p.num_speculative_tokens is not None and not 0 <= p.num_speculative_tokens <= 64:
-        raise InvalidRequest("speculative.n_max must be between 0 and 64", "speculative")
 
 
 def scores_prompt(params: SamplingParams) -> bool:

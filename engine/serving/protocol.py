@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: Tokenize, Detokenize and Tokens
+PROTOCOL_VERSION = 3  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens and allowed_token_ids
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
 
 
@@ -41,6 +41,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     logit_bias: dict[int, float] = {}
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    # vLLM's min_tokens (no stop token and no stop string before this many output tokens) and allowed_token_ids
+    # (only these may be sampled; [] = all): engine/core/logits_processing.py
+    min_tokens: int = 0
+    allowed_token_ids: list[int] = []
     # Completions' echo: the first Output carries the prompt's text and, with `logprobs`, each prompt token's
     # logprob (engine/core/prompt_echo.py)
     echo: bool = False

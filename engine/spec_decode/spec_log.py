@@ -1,4 +1,4 @@
-"""A periodic one-line summary of speculation, like vLLM's SpecDecodingLogging."""
+"""The worker's speculation counters, and a periodic one-line summary of them like vLLM's SpecDecodingLogging."""
 
 from __future__ import annotations
 
@@ -10,6 +10,33 @@ import numpy as np
 log = logging.getLogger("speculant.spec")
 
 
+class SpecTotals:
+    """Counts since the worker started (their one owner): steps that verified drafts, draft tokens, accepted
+    drafts, accepted drafts a grammar forced, and how often each draft position passed."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_grammar_tokens": 0}
+        self.accepted_per_pos = np.zeros(max(num_speculative_tokens, 1), np.int64)  # [K]
+
+    def record(self, seq, num_drafts: int, num_accepted: int) -> None:
+        """A verified step of `seq` with drafts; also counted on the request."""
+        seq.num_drafts += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
+        self.counts["num_drafts"] += 1
+        self.counts["num_draft_tokens"] += num_drafts
+        self.counts["num_accepted_tokens"] += num_accepted
+        self.accepted_per_pos[:num_accepted] += 1
+
+    def record_grammar(self, seq, num_forced_accepted: int) -> None:
+        seq.num_grammar_tokens += num_forced_accepted
+        self.counts["num_grammar_tokens"] += num_forced_accepted
+
+    def fields(self) -> dict:
+        """WorkerStats' speculation fields."""
+        return {**self.counts, "accepted_per_pos": [int(x) for x in self.accepted_per_pos]}
+
+
 class SpecLogger:
     def __init__(self, interval_s: float = 10.0):
         self.interval_s = interval_s
@@ -17,7 +44,8 @@ class SpecLogger:
         self.last_totals = (0, 0, 0)
         self.last_per_pos: np.ndarray | None = None
 
-    def maybe_log(self, totals: dict, accepted_per_pos: np.ndarray) -> None:
+    def maybe_log(self, spec_totals: SpecTotals) -> None:
+        totals, accepted_per_pos = spec_totals.counts, spec_totals.accepted_per_pos
         now = time.monotonic()
         if now - self.last_time < self.interval_s:
             return
