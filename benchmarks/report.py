@@ -36,14 +36,14 @@ def _sum_raw(raws: list[dict]) -> dict:
     return out
 
 
-def derive(raw: dict, base: dict, sampled: bool = False) -> dict:
-    """One row's metrics from its raw sums and the baseline's raw sums for the same prompts (sampled: the
-    outputs are not compared, `identical` is None)."""
+def derive(raw: dict, base: dict) -> dict:
+    """One row's metrics from its raw sums and the baseline's raw sums for the same prompts (greedy or seeded:
+    `identical` says whether every output equals the baseline's)."""
     steps = raw["engine_steps"]
     tok_s = _ratio(raw["output_tokens"], raw["wall_s"])
     base_tok_s = _ratio(base["output_tokens"], base["wall_s"])
     mismatches = [{"prompt_id": pid, "first_diff": _first_diff(ids, base["token_ids"].get(pid, []))}
-                  for pid, ids in raw["token_ids"].items() if not sampled and ids != base["token_ids"].get(pid)]
+                  for pid, ids in raw["token_ids"].items() if ids != base["token_ids"].get(pid)]
     num_drafts = raw["num_drafts"]
     return {
         "al": 1 + raw["num_accepted_tokens"] / num_drafts if num_drafts else None,
@@ -60,8 +60,8 @@ def derive(raw: dict, base: dict, sampled: bool = False) -> dict:
         "tok_s": tok_s,
         "speedup": _ratio(tok_s, base_tok_s) if tok_s is not None else None,
         "tpot_ms": 1000 * raw["tpot_s_sum"] / raw["tpot_count"] if raw["tpot_count"] else None,
-        "identical": None if sampled else len(mismatches) == 0,
-        "num_identical": None if sampled else raw["num_prompts"] - len(mismatches),
+        "identical": len(mismatches) == 0,
+        "num_identical": raw["num_prompts"] - len(mismatches),
         "mismatches": mismatches,
         "forward_ms_per_step": _ms(raw["forward_s"], steps),
         "propose_ms_per_step": _ms(raw["propose_s"], steps),
@@ -83,8 +83,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def make_rows(raw: dict, baseline: str, modes: list[str], categories: list[str], labels: list[str],
-              sampled: bool = False) -> list[dict]:
+def make_rows(raw: dict, baseline: str, modes: list[str], categories: list[str], labels: list[str]) -> list[dict]:
     """raw[(mode, category, label)] -> rows for every (mode, category or "all", method)."""
     rows = []
     for mode in modes:
@@ -92,7 +91,7 @@ def make_rows(raw: dict, baseline: str, modes: list[str], categories: list[str],
             cats = categories if cat == "all" else [cat]
             base = _sum_raw([raw[(mode, c, baseline)] for c in cats])
             for label in labels:
-                row = derive(_sum_raw([raw[(mode, c, label)] for c in cats]), base, sampled)
+                row = derive(_sum_raw([raw[(mode, c, label)] for c in cats]), base)
                 rows.append({"mode": mode, "category": cat, "method": label, **row})
     return rows
 
@@ -131,11 +130,24 @@ def targets(result: dict) -> list[dict]:
                            f"best: {best['method']} {_f(best['speedup'])}x, "
                            f"{_f(best['grammar_token_share'], '{:.0%}')} of tokens from the grammar"))
     out += _learned_targets(result, [r for r in spec_rows if r["mode"] == "batch1"])
-    if all(r["identical"] is not None for r in rows):  # greedy runs only: sampled outputs are not compared
-        lossless = all(r["identical"] for r in rows)
-        out.append(_target("greedy outputs identical to the baseline", lossless,
-                           "all rows" if lossless else "see the identical column"))
+    out.append(_identical_target(result))
     return out
+
+
+MODEL_FREE = ("ngram", "suffix", "naive")  # built-in proposers whose drafts are one token, no q
+
+
+def _identical_target(result: dict) -> dict:
+    """Greedy: every output equals the baseline's. Sampled (every request seeded): the model-free methods' do
+    (target_match); drafts sampled from a model's q keep the target distribution, not plain decoding's tokens."""
+    if result["config"].get("temperature", 0.0) == 0:
+        rows, name = result["rows"], "greedy outputs identical to the baseline"
+    else:
+        rows = [r for r in result["rows"] if (result["methods"][r["method"]] or {}).get("method", "none")
+                in (*MODEL_FREE, "none")]
+        name = f"seeded sampled outputs of {', '.join(MODEL_FREE)} identical to the baseline"
+    lossless = all(r["identical"] for r in rows)
+    return _target(name, lossless, "all their rows" if lossless else "see the identical column")
 
 
 def _learned_targets(result: dict, rows: list[dict]) -> list[dict]:
@@ -184,8 +196,7 @@ COLUMNS = [("category", "{}"), ("method", "{}"), ("AL", "al"), ("tok/step", "tok
 
 
 def _cells(row: dict) -> list[str]:
-    ident = ("n/a (sampled)" if row["identical"] is None else "yes" if row["identical"]
-             else f"NO {row['num_identical']}/{row['num_prompts']}")
+    ident = "yes" if row["identical"] else f"NO {row['num_identical']}/{row['num_prompts']}"
     return [row["category"], row["method"], _f(row["al"]), _f(row["tokens_per_step"]),
             _f(row["draft_acceptance_rate"], "{:.0%}"), _f(row["tok_s"], "{:.1f}"),
             _f(row["speedup"], "{:.2f}x"), _f(row["grammar_token_share"], "{:.0%}"), ident,

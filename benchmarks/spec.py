@@ -221,7 +221,7 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         },
         "baseline": baselines[0],
         "methods": {label: _spec_dict(e) for label, e in engines.items()},
-        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines), sampled),
+        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines)),
     }
 
 

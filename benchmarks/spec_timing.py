@@ -2,7 +2,7 @@
 
 `instrument(engine)` wraps `engine.proposer.propose` and `engine.runner.forward` in timing
 shims (instance attributes, removed on exit) and diffs the engine's speculation counters
-(`totals`, `accepted_per_pos`) across the block, so the engine's own bookkeeping is the
+(`spec_totals`: counts and accepted_per_pos) across the block, so the engine's own bookkeeping is the
 source of acceptance numbers and nothing accumulates between blocks.
 """
 
@@ -23,7 +23,7 @@ class BlockTimers:
     num_forwards: int = 0  # = engine steps that ran the model
     num_asks: int = 0  # (request, step) pairs the controller let draft
     num_allowed_tokens: int = 0  # sum of their max_draft_tokens: the controller's k
-    counters: dict = field(default_factory=dict)  # engine.totals diff
+    counters: dict = field(default_factory=dict)  # engine.spec_totals.counts diff
     accepted_per_pos: list[int] = field(default_factory=list)  # [K] diff
 
 
@@ -58,8 +58,8 @@ def _timed_propose(fn, timers: BlockTimers):
 @contextmanager
 def instrument(engine):
     timers = BlockTimers()
-    totals_before = dict(engine.totals)
-    per_pos_before = engine.accepted_per_pos.copy()
+    totals_before = dict(engine.spec_totals.counts)
+    per_pos_before = engine.spec_totals.accepted_per_pos.copy()
     proposer, runner = engine.proposer, engine.runner
     if proposer is not None:
         proposer.propose = _timed_propose(proposer.propose, timers)
@@ -70,8 +70,8 @@ def instrument(engine):
         if proposer is not None:
             del proposer.propose  # the class's method shows through again
         del runner.forward
-        timers.counters = {k: engine.totals[k] - totals_before.get(k, 0) for k in engine.totals}
-        timers.accepted_per_pos = (engine.accepted_per_pos - per_pos_before).tolist()
+        timers.counters = {k: v - totals_before.get(k, 0) for k, v in engine.spec_totals.counts.items()}
+        timers.accepted_per_pos = (engine.spec_totals.accepted_per_pos - per_pos_before).tolist()
 
 
 def reset_proposer(engine) -> None:

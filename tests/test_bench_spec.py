@@ -97,19 +97,22 @@ def test_counters_match_the_requests_own_totals(result, engines, prompts):
 
 
 
-def test_sampled_runs_record_their_settings_and_do_not_compare_outputs(engines, prompts):
-    """--temperature > 0: the config records temperature, top_p and seed, the baseline emits as many tokens as
-    a generate() with the same params, and the identical column and the greedy target give way."""
-    kw = {"max_tokens": MAX_TOKENS, "concurrency": 1, "progress": False, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+def test_sampled_runs_record_their_settings_and_compare_seeded_outputs(engines, prompts):
+    """--temperature > 0: the config records temperature, top_p and seed, the baseline emits what a generate()
+    with the same params emits, and every ngram / suffix output equals it (seeded sampling is the same with
+    speculation on or off): the identical column and the sampled target say so."""
+    kw = {"max_tokens": 24, "concurrency": 1, "progress": False, "temperature": 0.8, "top_p": 0.95, "seed": 7}
     got = run_spec_bench(engines, prompts[:2], **kw)
     assert (got["config"]["temperature"], got["config"]["top_p"], got["config"]["seed"]) == (0.8, 0.95, 7)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.95, seed=7)
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7)
     for p in prompts[:2]:
         (ref,) = generate(engines["none"], [list(p.messages)], params)
         assert _row(got, "batch1", p.category, "none")["output_tokens"] == len(ref.token_ids)
-    assert all(r["identical"] is None and r["mismatches"] == [] for r in got["rows"])
+    assert all(r["identical"] and r["mismatches"] == [] for r in got["rows"])
+    assert sum(r["num_accepted_tokens"] for r in got["rows"] if r["category"] == "all") > 0
     table = report.format_table(got)
-    assert "n/a (sampled)" in table and "greedy outputs identical" not in table
+    assert "[met] seeded sampled outputs of ngram, suffix, naive identical" in table
+    assert "greedy outputs identical" not in table
     assert "sampled at temperature 0.8, top_p 0.95, seed 7" in report.format_markdown(got)
     with pytest.raises(ValueError, match="top_p"):
         run_spec_bench(engines, prompts[:1], **{**kw, "top_p": 0.0})

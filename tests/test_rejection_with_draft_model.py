@@ -79,7 +79,7 @@ def test_verified_tokens_follow_the_target_distribution(target):
                                              max_num_batched_tokens=2048, speculative_config=json.dumps(spec)))
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(NUM_SAMPLES)]
     outs = [o.token_ids for o in generate(engine, [PROMPT] * NUM_SAMPLES, params)]
-    assert 0 < engine.totals["num_accepted_tokens"] < engine.totals["num_draft_tokens"], \
+    assert 0 < engine.spec_totals.counts["num_accepted_tokens"] < engine.spec_totals.counts["num_draft_tokens"], \
         "drafts must be both accepted and rejected for the test to mean anything"
     m1 = Counter(o[0] for o in outs).most_common(1)[0][0]
     given = [o for o in outs if o[0] == m1]  # x2, x3 both come out of the verify step after m1
@@ -116,7 +116,7 @@ def test_sampling_under_a_grammar_follows_the_masked_target(target):
     grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{40,60}")
     params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, grammar=grammar) for i in range(NUM_SAMPLES)]
     outs = [o.token_ids for o in generate(engine, [PROMPT] * NUM_SAMPLES, params)]
-    assert 0 < engine.totals["num_accepted_tokens"] < engine.totals["num_draft_tokens"]
+    assert 0 < engine.spec_totals.counts["num_accepted_tokens"] < engine.spec_totals.counts["num_draft_tokens"]
     allowed = lowercase_tokens(target)
     assert all(len(o) == 3 and allowed[o].all() for o in outs)
     exact = NextToken(target)
