@@ -8,7 +8,11 @@ Mapping (at most one constraint per request; two are a 400):
   `strict: true` keywords llguidance does not implement are a 400; otherwise they are ignored (the
   rest of the schema is still enforced), as OpenAI's non-strict mode promises no exact match;
 - `speculant.regex`: the regex (Rust `regex` syntax), matched by the whole output;
-- `speculant.grammar` with `speculant.grammar_syntax` "lark" (default) or "gbnf" (llama.cpp).
+- `speculant.grammar` with `speculant.grammar_syntax` "lark" (default) or "gbnf" (llama.cpp);
+- vLLM's `structured_outputs` `json` / `regex` / `choice` / `grammar` / `json_object`, and its earlier
+  `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (a grammar with `::=` is GBNF, else
+  Lark; a choice becomes the regex of its strings, escaped);
+- llama.cpp server's `grammar` (GBNF) and `json_schema`.
 
 Conversion and validation (no tokenizer: the worker checks the grammar against its vocabulary)
 are cached in a small LRU keyed by a hash of the constraint's canonical JSON, so a repeated
@@ -29,7 +33,7 @@ from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from gateway.errors import bad_request
-from gateway.openai_schema import ResponseFormat, SamplingRequest, SpeculantOptions
+from gateway.openai_schema import ResponseFormat, SamplingRequest, SpeculantOptions, StructuredOutputs
 
 log = logging.getLogger("speculant.gateway")
 
@@ -124,8 +128,9 @@ def grammar_for(req: SamplingRequest, cache: GrammarCache = CACHE) -> str | None
         return None
     if len(found) > 1:
         names = " and ".join(c.param for c in found)
-        raise bad_request(f"give at most one output constraint (response_format json_object/json_schema, "
-                          f"speculant.regex or speculant.grammar); this request has {names}", found[1].param)
+        raise bad_request(f"give at most one output constraint (response_format json_object / json_schema, "
+                          f"speculant.regex / grammar, vLLM's structured_outputs or guided_*, llama.cpp's "
+                          f"grammar / json_schema); this request has {names}", found[1].param)
     constraint = found[0]
     compiled = cache.get(constraint)
     if compiled.error is not None:
@@ -141,10 +146,10 @@ def shorten_error(message: str) -> str:
 
 def _describe(constraint: Constraint) -> str:
     if constraint.kind == "json_schema":
-        return "the response_format JSON schema"
+        return f"the {constraint.param} JSON schema"
     if constraint.kind == "regex":
-        return "speculant.regex"
-    return f"speculant.grammar ({constraint.kind})"
+        return constraint.param
+    return f"{constraint.param} ({constraint.kind})"
 
 
 def request_constraints(req: SamplingRequest) -> list[Constraint]:
@@ -156,6 +161,13 @@ def request_constraints(req: SamplingRequest) -> list[Constraint]:
             found.append(from_format)
     if req.speculant is not None:
         found.extend(_speculant(req.speculant))
+    found.extend(_vllm(req.structured_outputs, "structured_outputs.") if req.structured_outputs else [])
+    found.extend(_vllm(StructuredOutputs(json=req.guided_json, regex=req.guided_regex, choice=req.guided_choice,
+                                         grammar=req.guided_grammar), "guided_"))
+    if req.guided_whitespace_pattern is not None:
+        raise bad_request("guided_whitespace_pattern is not supported (JSON whitespace follows the grammar "
+                          "library's default)", "guided_whitespace_pattern")
+    found.extend(_vllm(StructuredOutputs(json=req.json_schema, grammar=req.grammar), "", gbnf_only=True))
     for constraint in found:
         if len(constraint.source) > MAX_CONSTRAINT_CHARS:
             raise bad_request(f"{_describe(constraint)} is too long (at most {MAX_CONSTRAINT_CHARS} characters)",
@@ -197,3 +209,53 @@ def _speculant(options: SpeculantOptions) -> list[Constraint]:
     elif options.grammar_syntax is not None:
         raise bad_request("speculant.grammar_syntax is given without speculant.grammar", "speculant.grammar_syntax")
     return found
+
+
+def _vllm(so: StructuredOutputs, prefix: str, gbnf_only: bool = False) -> list[Constraint]:
+    """vLLM's structured_outputs (prefix "structured_outputs."), its guided_* fields (prefix "guided_") or
+    llama.cpp's json_schema and grammar (prefix "", GBNF only), as constraints named by their field."""
+    found = []
+    if so.json is not None:
+        found.append(_json_constraint(so.json, prefix + "json" if prefix else "json_schema"))
+    if so.json_object:
+        found.append(Constraint(prefix + "json_object", "json_schema", JSON_OBJECT_SCHEMA))
+    if so.regex is not None:
+        _require_text(so.regex, prefix + "regex")
+        found.append(Constraint(prefix + "regex", "regex", so.regex))
+    if so.choice is not None:
+        param = prefix + "choice"
+        if not so.choice or not all(so.choice):
+            raise bad_request(f"{param} must be a list of non-empty strings", param)
+        found.append(Constraint(param, "regex", "|".join("(" + _regex_literal(c) + ")" for c in so.choice)))
+    if so.grammar is not None:
+        _require_text(so.grammar, prefix + "grammar")
+        found.append(Constraint(prefix + "grammar", "gbnf" if gbnf_only or "::=" in so.grammar else "lark", so.grammar))
+    return found
+
+
+def _json_constraint(schema, param: str) -> Constraint:
+    """A JSON schema given as an object or as its JSON text; unenforceable keywords are ignored (not strict)."""
+    if isinstance(schema, str):
+        try:
+            schema = msgspec.json.decode(schema)
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"{param} is not valid JSON: {exc}", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON schema (an object)", param)
+    try:
+        return Constraint(param, "json_schema", msgspec.json.encode(schema).decode(), lenient=True)
+    except (RecursionError, msgspec.EncodeError) as exc:
+        raise bad_request(f"{param} cannot be encoded: {exc}", param) from None
+
+
+def _require_text(text: str, param: str) -> None:
+    if not text.strip():
+        raise bad_request(f"{param} must not be empty", param)
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """text as a regex (Rust `regex` syntax) that matches exactly it."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)

@@ -62,6 +62,20 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: one of `json` (a JSON schema, as an object or its JSON text), `regex`,
+    `choice` (the output is exactly one of these strings), `grammar` (GBNF, or Lark) or `json_object: true`.
+    `disable_fallback` is accepted and has no effect (one grammar engine, no fallback); keys we cannot honour
+    (`whitespace_pattern`, `structural_tag`, ...) are a 400."""
+
+    json: Any = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+
+
 class SamplingRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -87,6 +101,17 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     speculative_n_max: int | None = msgspec.field(name="speculative.n_max", default=None)
     speculant: SpeculantOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's earlier names (removed in its v0.12, still sent by many clients): structured_outputs' fields
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, no effect: llguidance is the one backend
+    guided_whitespace_pattern: str | None = None  # refused (400)
+    # llama.cpp server's: a GBNF grammar, a JSON schema
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

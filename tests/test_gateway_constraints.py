@@ -92,6 +92,26 @@ def test_every_form_reaches_sampling_params_on_both_endpoints(kind):
     assert matches(gbnf, "off") and not matches(gbnf, "of")
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_vllm_and_llama_cpp_forms_reach_sampling_params(kind):
+    """vLLM's structured_outputs and its earlier guided_* fields, llama.cpp's grammar and json_schema."""
+    choice = grammar_of({"guided_choice": ["yes", "no (maybe)", "a.b", "x|y"]}, kind)
+    assert all(matches(choice, c) for c in ("yes", "no (maybe)", "a.b", "x|y"))
+    assert not any(matches(choice, c) for c in ("axb", "ye", "x", "no"))  # choices are literal, whole
+    assert matches(grammar_of({"structured_outputs": {"choice": ["[z]"]}}, kind), "[z]")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    for body in ({"structured_outputs": {"json": schema}}, {"guided_json": json.dumps(schema)},
+                 {"json_schema": schema}):
+        assert matches(grammar_of(body, kind), '{"n": 3}') and not matches(grammar_of(body, kind), '{"n": "a"}')
+    json_object = grammar_of({"structured_outputs": {"json_object": True}, "guided_decoding_backend": "x"}, kind)
+    assert matches(json_object, '{"a": 1}') and not matches(json_object, "[1]")
+    for body in ({"guided_regex": r"\d+"}, {"structured_outputs": {"regex": r"\d+"}}):
+        assert matches(grammar_of(body, kind), "123") and not matches(grammar_of(body, kind), "a")
+    for body in ({"guided_grammar": 'root ::= "on" | "off"'}, {"structured_outputs": {"grammar": 'start: "on" | "off"'}},
+                 {"grammar": 'root ::= "on" | "off"'}):  # GBNF (::=) or Lark; llama.cpp's is GBNF
+        assert matches(grammar_of(body, kind), "off") and not matches(grammar_of(body, kind), "of")
+
+
 def test_a_pydantic_model_as_the_openai_client_sends_it():
     grammar = grammar_of({"response_format": openai_strict_format(MathAnswer)})
     answer = MathAnswer(steps=[Step(explanation="2 + 2", output="4")], final_answer="4")
@@ -130,7 +150,19 @@ INVALID = [
     ({"speculant": {"grammar": "  "}}, "speculant.grammar"),
     ({"speculant": {"grammar_syntax": "gbnf"}}, "speculant.grammar_syntax"),
     ({"speculant": {"regex": "a" * (MAX_CONSTRAINT_CHARS + 1)}}, "speculant.regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": 5}, "guided_json"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": " "}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"grammar": 'start: "a"'}, "grammar"),  # llama.cpp's grammar is GBNF
+    ({"json_schema": {"type": "objectx"}}, "json_schema"),
     # two constraints: the second one is named
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "speculant": {"regex": "a"}}, "speculant.regex"),
     ({"speculant": {"regex": "a", "grammar": 'start: "a"'}}, "speculant.grammar"),
 ]

@@ -62,6 +62,21 @@ def test_json_schema_output_validates_and_is_lossless(client, model):
     assert completion.usage.model_extra["speculative"]["num_grammar_tokens"] >= 0
 
 
+def test_vllm_structured_outputs_and_guided_fields(client, model):
+    """vLLM's `structured_outputs` and its earlier `guided_choice` / `guided_json`, as its users send them in
+    extra_body: the answer is one of the choices / validates, the same with drafting on and off."""
+    ask = [{"role": "user", "content": "Is the sky green? Answer yes or no."}]
+    for extra in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+        texts = {client.chat.completions.create(model=model, messages=ask, max_tokens=8, temperature=0,
+                                                extra_body={**extra, "speculative": {"n_max": n}}).choices[0].message.content
+                 for n in (0, 4)}
+        assert len(texts) == 1 and texts <= {"yes", "no"}
+    for extra in ({"structured_outputs": {"json": SCHEMA}}, {"guided_json": json.dumps(SCHEMA)}):
+        reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=80, temperature=0,
+                                               extra_body=extra)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
 def test_openai_parse_with_a_pydantic_model(client, model):
     reply = client.chat.completions.parse(model=model, messages=MESSAGES, max_tokens=80, temperature=0,
                                           response_format=City)
