@@ -185,6 +185,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     tools: list[ToolDef] | None = None
     # "none" | "auto" (the default with tools) | "required" | NamedToolChoice; required and named
     # choices constrain the answer to exactly one call (see gateway.tool_grammar).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -17,7 +18,7 @@ from engine.serving import protocol
 from gateway.errors import OpenAIError, bad_request
 from gateway.generation import ENGINE
 from gateway.openai_schema import ChatMessageIn, decode_with
-from gateway.validation import MAX_TOKEN_ID, _messages
+from gateway.validation import MAX_TOKEN_ID, _messages, template_kwargs_json
 
 ANSWER_TIMEOUT_S = 30.0  # a worker that never answers (an older one drops messages it does not know)
 
@@ -29,6 +30,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -45,7 +47,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of prompt and messages", "prompt")
     fields = {"prompt": req.prompt} if req.prompt is not None else {
-        "messages": _messages(req), "add_generation_prompt": req.add_generation_prompt}
+        "messages": _messages(req), "add_generation_prompt": req.add_generation_prompt,
+        "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}
     answer, worker = await _ask(request.app[ENGINE], req.model, lambda rid: protocol.Tokenize(rid, **fields))
     return web.json_response({"count": len(answer.token_ids), "max_model_len": worker.max_model_len,
                               "tokens": answer.token_ids})

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import msgspec
 
 from engine.serving import protocol
+from engine.serving.protocol import RESERVED_TEMPLATE_KWARGS
 from gateway.constraints import grammar_for
 from gateway.errors import OpenAIError, bad_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -32,6 +33,7 @@ MAX_CHOICES = 16  # n
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 MAX_ALLOWED_TOKENS = 65536  # tokens in one allowed_token_ids
+MAX_TEMPLATE_KWARGS_CHARS = 65536  # chat_template_kwargs as JSON
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -263,8 +265,21 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     opts = _options(req, "chat", logprobs, max_tokens, param)
     opts.tool_names = plan.names if plan.active else ()
     fields = [{"messages": _messages(req), "tools_json": plan.tools_json(),
-               "add_generation_prompt": req.add_generation_prompt is not False}]
+               "add_generation_prompt": req.add_generation_prompt is not False,
+               "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}]
     return Validated(fields, opts, sampling_params(req, opts, lambda r: tool_grammar(r, plan)))
+
+
+def template_kwargs_json(kwargs: dict | None) -> str | None:
+    """vLLM's chat_template_kwargs (e.g. Qwen3's {"enable_thinking": false}) as JSON text for the worker."""
+    if not kwargs:
+        return None
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    _require(not reserved, "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}")
+    text = msgspec.json.encode(kwargs).decode()
+    _require(len(text) <= MAX_TEMPLATE_KWARGS_CHARS, "chat_template_kwargs",
+             f"chat_template_kwargs is too long (at most {MAX_TEMPLATE_KWARGS_CHARS} characters as JSON)")
+    return text
 
 
 def _messages(req: ChatCompletionRequest) -> list[protocol.ChatMessage]:

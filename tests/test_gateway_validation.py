@@ -76,6 +76,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "logit_bias": {"a": 1.0}}, "logit_bias"),
     ("completions", {"prompt": "a", "logit_bias": {"5": "up"}}, "logit_bias"),
     ("completions", {"prompt": "a", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    ("chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ("chat/completions", {"messages": CHAT, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("completions", {"prompt": "a", "min_tokens": -1}, "min_tokens"),
     ("completions", {"prompt": "a", "max_tokens": 5, "min_tokens": 6}, "min_tokens"),
     ("chat/completions", {"messages": CHAT, "max_completion_tokens": 5, "min_tokens": 6}, "min_tokens"),
@@ -151,7 +153,8 @@ async def test_unparseable_body_is_400(client, raw):
                                    {"tools": [TOOL], "tool_choice": "required"},
                                    {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}},
                                    {"repetition_penalty": 1.2, "min_p": 0.05}, {"n": 3, "seed": 5},
-                                   {"min_tokens": 4, "allowed_token_ids": [5, 6]}])
+                                   {"min_tokens": 4, "allowed_token_ids": [5, 6]},
+                                   {"chat_template_kwargs": {"enable_thinking": False}}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503

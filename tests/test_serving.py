@@ -229,10 +229,15 @@ def test_tokenize_and_detokenize(cluster, client, model, tokenizer):
     status, chat, _ = http(f"{cluster.url}/tokenize", {"messages": messages})
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
     assert status == 200 and chat["count"] == reply.usage.prompt_tokens
+    status, kwargs, _ = http(f"{cluster.url}/tokenize", {"messages": messages,  # SmolLM2's template reads none
+                                                          "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and kwargs["tokens"] == chat["tokens"]
     status, back, _ = http(f"{cluster.url}/detokenize", {"tokens": body["tokens"]})
     assert (status, back) == (200, {"prompt": "Hello world, again"})
     for path, bad, param in (("tokenize", {"prompt": "a", "messages": messages}, "prompt"),
                              ("tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+                             ("tokenize", {"messages": messages, "chat_template_kwargs": {"messages": []}},
+                              "chat_template_kwargs"),
                              ("detokenize", {"tokens": [tokenizer.vocab_size]}, "tokens"),
                              ("detokenize", {"tokens": "12"}, "tokens")):
         status, error, _ = http(f"{cluster.url}/{path}", bad)

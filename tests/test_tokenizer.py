@@ -201,6 +201,29 @@ def test_template_helpers_and_errors(tmp_path):
         tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
+def test_chat_template_kwargs_reach_the_template_and_may_not_replace_its_own(tmp_path):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, for one) are variables the template sees."""
+    from engine.core.request_input import prompt_token_ids
+    from engine.errors import InvalidRequest
+    from engine.serving.protocol import ChatMessage, Generate, SamplingParams
+
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<|im_end|>{% endif %}")
+    tokenizer = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "tiny.gguf", template=template))
+
+    def ids(kwargs_json):
+        msg = Generate("r", SamplingParams(), messages=[ChatMessage("user", "hi")], chat_template_kwargs_json=kwargs_json)
+        return prompt_token_ids(msg, tokenizer)
+
+    assert _pieces(tokenizer, "hi") == ["hi"]
+    assert ids(None) == ids('{"enable_thinking": true}') == tokenizer.encode("hi")
+    assert ids('{"enable_thinking": false}') == tokenizer.encode("hi<|im_end|>") != ids(None)
+    for bad in ('{"messages": []}', '{"bos_token": "x"}', "[1]"):
+        with pytest.raises(InvalidRequest) as err:
+            ids(bad)
+        assert err.value.param == "chat_template_kwargs"
+
+
 def test_unsupported_gguf_tokenizers_raise_value_error(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.ggml.pre: unsupported pre-tokenizer 'mystery'"):
         Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "a.gguf", pre="mystery"))

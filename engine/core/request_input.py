@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from engine.errors import InvalidRequest
 from engine.model.tool_prompt import render_inputs
-from engine.serving.protocol import Detokenize, Generate, SamplingParams, Tokenize, Tokens
+from engine.serving.protocol import RESERVED_TEMPLATE_KWARGS, Detokenize, Generate, SamplingParams, Tokenize, Tokens
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
@@ -17,7 +18,8 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
         if not msg.messages:
             raise InvalidRequest("messages must not be empty", "messages")
         messages, context = render_inputs(msg.messages, msg.tools_json, tokenizer.template_source())
-        text = tokenizer.apply_chat_template(messages, msg.add_generation_prompt, **context)
+        text = tokenizer.apply_chat_template(messages, msg.add_generation_prompt,
+                                             **_template_kwargs(msg.chat_template_kwargs_json), **context)
         ids = tokenizer.encode(text)
         param = "messages"
     elif msg.prompt_token_ids is not None:
@@ -36,13 +38,22 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
     return ids
 
 
+def _template_kwargs(kwargs_json: str | None) -> dict:
+    kwargs = json.loads(kwargs_json) if kwargs_json else {}
+    if not isinstance(kwargs, dict) or RESERVED_TEMPLATE_KWARGS & kwargs.keys():
+        raise InvalidRequest("chat_template_kwargs must be an object whose keys are not "
+                             + ", ".join(sorted(RESERVED_TEMPLATE_KWARGS)), "chat_template_kwargs")
+    return kwargs
+
+
 def tokens_reply(msg: Tokenize | Detokenize, tokenizer) -> Tokens:
     """/tokenize (a prompt's ids, as a Generate with its prompt fields would get them) or /detokenize."""
     if isinstance(msg, Detokenize):
         if any(not 0 <= t < tokenizer.vocab_size for t in msg.token_ids):
             raise InvalidRequest("tokens must be token ids of this model's vocabulary", "tokens")
         return Tokens(msg.request_id, text=tokenizer.decode(msg.token_ids))
-    fields = {f: getattr(msg, f) for f in ("prompt", "messages", "tools_json", "add_generation_prompt")}
+    fields = {f: getattr(msg, f) for f in ("prompt", "messages", "tools_json", "add_generation_prompt",
+                                           "chat_template_kwargs_json")}
     ids = prompt_token_ids(Generate(msg.request_id, SamplingParams(), **fields), tokenizer)
     return Tokens(msg.request_id, token_ids=[int(t) for t in ids])
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens and allowed_token_ids
+PROTOCOL_VERSION = 3  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens, allowed_token_ids, chat_template_kwargs
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
+# chat template variables a request's chat_template_kwargs may not set: the renderer's own
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -71,6 +73,8 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     messages: list[ChatMessage] | None = None  # chat: rendered with the model's chat template
     tools_json: str | None = None  # chat: the request's `tools` (OpenAI shape, JSON text), rendered into the prompt
     add_generation_prompt: bool = True
+    # chat: vLLM's chat_template_kwargs (a JSON object's text): extra variables the chat template sees
+    chat_template_kwargs_json: str | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -92,6 +96,7 @@ class Tokenize(msgspec.Struct, tag="tokenize", frozen=True):
     messages: list[ChatMessage] | None = None
     tools_json: str | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs_json: str | None = None
 
 
 class Detokenize(msgspec.Struct, tag="detokenize", frozen=True):
