@@ -96,6 +96,16 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     min_p: float | None = None  # vLLM's and llama.cpp's extension
     min_tokens: int | None = None  # vLLM's extension
     allowed_token_ids: list[int] | None = None  # vLLM's extension
+    include_stop_str_in_output: bool | None = None  # vLLM's extension
+    truncate_prompt_tokens: int | None = None  # vLLM's extension
+    # vLLM's extensions we do not implement: a value that asks for them is a 400, never silently ignored
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    logits_processors: list[Any] | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
     user: str | None = None
     speculative: SpeculativeOptions | None = None
     speculative_n_max: int | None = msgspec.field(name="speculative.n_max", default=None)
@@ -186,6 +196,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    continue_final_message: bool | None = None  # vLLM's; not implemented: true is a 400
     tools: list[ToolDef] | None = None
     # "none" | "auto" (the default with tools) | "required" | NamedToolChoice; required and named
     # choices constrain the answer to exactly one call (see gateway.tool_grammar).

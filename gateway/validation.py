@@ -100,6 +100,8 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
     top_k = 0 if req.top_k is None else req.top_k
     _require(-1 <= top_k <= MAX_TOKEN_ID, "top_k", "top_k must be -1 (off), 0 (off) or a positive integer")
     _require(req.seed is None or 0 <= req.seed < 2**63, "seed", "seed must be an integer in [0, 2**63)")
+    _require(req.truncate_prompt_tokens is None or 1 <= req.truncate_prompt_tokens <= MAX_TOKEN_ID,
+             "truncate_prompt_tokens", "truncate_prompt_tokens must be a positive number of tokens")
     _require(req.min_tokens is None or 0 <= req.min_tokens <= (opts.max_tokens or MAX_TOKEN_ID), "min_tokens",
              f"min_tokens must be between 0 and {opts.max_tokens_param}")
     return protocol.SamplingParams(
@@ -122,6 +124,8 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         min_p=req.min_p or 0.0,
         min_tokens=req.min_tokens or 0,
         allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
     )
 
@@ -186,8 +190,16 @@ def _spec_cap(req: SamplingRequest) -> int | None:
     return n_max
 
 
+# vLLM's sampling extensions we do not implement, with their values that ask for nothing (None: absent)
+_VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)), ("bad_words", (None, [])),
+                     ("prompt_logprobs", (None,)), ("logits_processors", (None, [])),
+                     ("skip_special_tokens", (None, True)), ("priority", (None, 0)))
+
+
 def _common_checks(req: SamplingRequest) -> None:
     """Fields we parse but cannot honour: a non-default value is a 400, never silently ignored."""
+    for name, inert in _VLLM_UNSUPPORTED:
+        _unsupported(getattr(req, name) in inert, name, f"{name} is not supported by this server")
     _require(req.n is None or 1 <= req.n <= MAX_CHOICES, "n", f"n must be in 1..{MAX_CHOICES}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
@@ -255,6 +267,8 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     """Checks a chat body; returns the prompt fields of `Generate` and the options."""
     _common_checks(req)
     plan = tool_plan(req)
+    _unsupported(not req.continue_final_message, "continue_final_message",
+                 "continue_final_message is not supported by this server")
     mct = req.max_completion_tokens
     _require(mct is None or mct >= 1, "max_completion_tokens", "max_completion_tokens must be at least 1")
     top = req.top_logprobs

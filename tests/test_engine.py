@@ -71,6 +71,28 @@ def test_stop_string_cuts_text_exactly(engine, tokenizer):
     assert stop not in got.text
 
 
+def test_include_stop_str_in_output_keeps_the_stop_at_the_end(engine, tokenizer):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string (or the stop token's text)."""
+    ref = generate(engine, [PROMPTS[1]], GREEDY)[0]
+    stop = ref.text[len(ref.text) // 3 : len(ref.text) // 3 + 3]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    got = generate(engine, [PROMPTS[1]], params)[0]
+    assert got.finish_reason == "stop" and got.text == ref.text[: ref.text.index(stop) + len(stop)]
+    stop_id = ref.token_ids[5]
+    by_id = generate(engine, [PROMPTS[1]], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id],
+                                                           include_stop_str_in_output=True))[0]
+    assert by_id.token_ids == ref.token_ids[: ref.token_ids.index(stop_id) + 1]
+    assert by_id.text == tokenizer.decode(by_id.token_ids)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(engine, tokenizer):
+    """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens, as that shorter prompt would."""
+    ids = tokenizer.encode("One two three four five six seven eight nine ten eleven twelve thirteen")
+    got = generate(engine, [ids], SamplingParams(max_tokens=8, temperature=0.0, truncate_prompt_tokens=5))[0]
+    assert got.token_ids == generate(engine, [ids[-5:]], SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids
+    assert got.prompt_tokens == 5
+
+
 def test_stop_token_ids_and_max_tokens(engine):
     ref = generate(engine, [PROMPTS[0]], GREEDY)[0]
     stop_id = ref.token_ids[5]

@@ -62,6 +62,14 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "echo": "yes"}, "echo"),
     ("completions", {"prompt": "a", "echo": False, "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "a", "suffix": "z"}, "suffix"),
+    ("completions", {"prompt": "a", "use_beam_search": True}, "use_beam_search"),
+    ("completions", {"prompt": "a", "bad_words": ["x"]}, "bad_words"),
+    ("completions", {"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat/completions", {"messages": CHAT, "length_penalty": 0.5}, "length_penalty"),
+    ("chat/completions", {"messages": CHAT, "skip_special_tokens": False}, "skip_special_tokens"),
+    ("chat/completions", {"messages": CHAT, "priority": 3}, "priority"),
+    ("chat/completions", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("completions", {"prompt": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "a", "speculative": {"n_max": -1}}, "speculative.n_max"),
     ("completions", {"prompt": "a", "speculative.n_max": 65}, "speculative.n_max"),
@@ -154,7 +162,9 @@ async def test_unparseable_body_is_400(client, raw):
                                    {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": -100}},
                                    {"repetition_penalty": 1.2, "min_p": 0.05}, {"n": 3, "seed": 5},
                                    {"min_tokens": 4, "allowed_token_ids": [5, 6]},
-                                   {"chat_template_kwargs": {"enable_thinking": False}}])
+                                   {"chat_template_kwargs": {"enable_thinking": False}},
+                                   {"include_stop_str_in_output": True, "truncate_prompt_tokens": 5,
+                                    "use_beam_search": False, "skip_special_tokens": True, "bad_words": []}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503

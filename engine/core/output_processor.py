@@ -29,15 +29,18 @@ class OutputState:
         if not seq.params.ignore_eos:
             self.stop_ids |= set(tokenizer.stop_token_ids)
         self.max_model_len = max_model_len
+        self.include_stop = seq.params.include_stop_str_in_output
         self.is_cut = False  # a stop string ended the text
 
     def _check_stop_string(self, start: int) -> bool:
-        """Cut the text at the first stop string that ends after `start`; True if one was found."""
+        """Cut the text at the first stop string that ends after `start` (after it, with
+        include_stop_str_in_output); True if one was found."""
         lo = max(0, start - self.max_stop_len + 1)
-        hits = [i for i in (self.text.find(s, lo) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, lo), s) for s in self.stops) if i >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        start, end = min(hits, key=lambda h: (h[0], -h[1]))  # the first stop string to start; the longest there
+        self.text = self.text[: end if self.include_stop else start]
         self.is_cut = True
         return True
 
@@ -49,6 +52,8 @@ class OutputState:
             seq.append(tok)
             if tok in self.stop_ids:
                 seq.finish_reason = "stop"
+                if self.include_stop and tok in params.stop_token_ids:
+                    self.text += self.detok.push([tok])
                 return n
             before = len(self.text)
             self.text += self.detok.push([tok])

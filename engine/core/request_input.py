@@ -35,6 +35,9 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
         raise InvalidRequest("either prompt or messages is required", "prompt")
     if not ids:
         raise InvalidRequest("the prompt is empty", param)
+    keep = msg.params.truncate_prompt_tokens
+    if keep is not None:  # vLLM's: the prompt's last `keep` tokens (validate_params checks keep >= 1)
+        ids = ids[-keep:] if keep >= 1 else ids
     return ids
 
 
@@ -73,6 +76,8 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
         raise InvalidRequest("top_p must be in (0, 1]", "top_p")
     if p.top_k < 0:
         raise InvalidRequest("top_k must be >= 0 (0 = off)", "top_k")
+    if p.truncate_prompt_tokens is not None and not 1 <= p.truncate_prompt_tokens:
+        raise InvalidRequest("truncate_prompt_tokens must be at least 1", "truncate_prompt_tokens")
     if p.seed is not None and not 0 <= p.seed < 2**63:
         raise InvalidRequest("seed must be an integer in [0, 2**63)", "seed")
     if len(p.stop) > MAX_STOP_STRINGS:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens, allowed_token_ids, chat_template_kwargs
+PROTOCOL_VERSION = 3  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens, allowed_token_ids, chat_template_kwargs,
+# include_stop_str_in_output, truncate_prompt_tokens
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
 # chat template variables a request's chat_template_kwargs may not set: the renderer's own
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
@@ -47,6 +48,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # (only these may be sampled; [] = all): engine/core/logits_processing.py
     min_tokens: int = 0
     allowed_token_ids: list[int] = []
+    # vLLM's: a stop string (or a stop_token_ids token's text) stays at the end of the text; only the last
+    # truncate_prompt_tokens tokens of the prompt are kept (None = all)
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
     # Completions' echo: the first Output carries the prompt's text and, with `logprobs`, each prompt token's
     # logprob (engine/core/prompt_echo.py)
     echo: bool = False
