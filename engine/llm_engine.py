@@ -76,8 +76,8 @@ class LLMEngine:
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
         processing = processing_field(msg.params) or ("echo" if scores_prompt(msg.params) else None)
         if processing and not self.runner.supports_grammars:
-            raise InvalidRequest(f"{processing}: penalties, logit_bias, min_p, min_tokens, allowed_token_ids and "
-                                 "prompt logprobs run on the CPU backend only", processing)
+            raise InvalidRequest(f"{processing}: penalties, logit_bias, min_p, min_tokens, allowed_token_ids, "
+                                 "bad_words and prompt logprobs run on the CPU backend only", processing)
         if msg.params.grammar is not None:
             if not self.runner.supports_grammars:
                 raise InvalidRequest("response_format: constrained decoding runs on the CPU backend only",
@@ -85,7 +85,7 @@ class LLMEngine:
             self.grammars.start(msg.request_id, msg.params.grammar)
         if processing_field(msg.params):
             self.row_arrays[msg.request_id] = RequestArrays(msg.params, self.tokenizer.stop_token_ids,
-                                                            self.runner.config.vocab_size)
+                                                            self.runner.config.vocab_size, self.tokenizer.encode)
         seq = Sequence(msg.request_id, ids, msg.params, self.max_model_len + self.num_speculative_tokens + 1)
         self.seqs[seq.request_id] = seq
         self.states[seq.request_id] = OutputState(self.tokenizer, seq, self.max_model_len)

@@ -34,6 +34,7 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 MAX_ALLOWED_TOKENS = 65536  # tokens in one allowed_token_ids
 MAX_TEMPLATE_KWARGS_CHARS = 65536  # chat_template_kwargs as JSON
+MAX_BAD_WORDS = 128
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -125,6 +126,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         min_tokens=req.min_tokens or 0,
         allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        bad_words=_bad_words(req.bad_words),
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
     )
@@ -141,6 +143,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         _require(-100.0 <= value <= 100.0, "logit_bias", "logit_bias values must be between -100 and 100")
         out[int(key)] = float(value)
     return out
+
+
+def _bad_words(words: list[str] | None) -> list[str]:
+    words = list(words or [])
+    _require(len(words) <= MAX_BAD_WORDS and all(0 < len(w.strip()) <= 256 for w in words), "bad_words",
+             f"bad_words takes at most {MAX_BAD_WORDS} words of 1..256 characters")
+    return words
 
 
 def _allowed_token_ids(ids: list[int] | None) -> list[int]:
@@ -191,8 +200,7 @@ def _spec_cap(req: SamplingRequest) -> int | None:
 
 
 # vLLM's sampling extensions we do not implement, with their values that ask for nothing (None: absent)
-_VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)), ("bad_words", (None, [])),
-                     ("prompt_logprobs", (None,)), ("logits_processors", (None, [])),
+_VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)), ("prompt_logprobs", (None,)), ("logits_processors", (None, [])),
                      ("skip_special_tokens", (None, True)), ("priority", (None, 0)))
 
 

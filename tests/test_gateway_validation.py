@@ -63,7 +63,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "a", "echo": False, "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "a", "suffix": "z"}, "suffix"),
     ("completions", {"prompt": "a", "use_beam_search": True}, "use_beam_search"),
-    ("completions", {"prompt": "a", "bad_words": ["x"]}, "bad_words"),
+    ("completions", {"prompt": "a", "bad_words": [""]}, "bad_words"),
+    ("completions", {"prompt": "a", "bad_words": ["x"] * 129}, "bad_words"),
     ("completions", {"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat/completions", {"messages": CHAT, "length_penalty": 0.5}, "length_penalty"),
     ("chat/completions", {"messages": CHAT, "skip_special_tokens": False}, "skip_special_tokens"),
@@ -164,7 +165,7 @@ async def test_unparseable_body_is_400(client, raw):
                                    {"min_tokens": 4, "allowed_token_ids": [5, 6]},
                                    {"chat_template_kwargs": {"enable_thinking": False}},
                                    {"include_stop_str_in_output": True, "truncate_prompt_tokens": 5,
-                                    "use_beam_search": False, "skip_special_tokens": True, "bad_words": []}])
+                                    "use_beam_search": False, "skip_special_tokens": True, "bad_words": ["x"]}])
 async def test_valid_request_without_workers_is_503(client, extra):
     resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, **extra})
     assert resp.status == 503

@@ -22,14 +22,19 @@ F32 = np.float32
 
 
 def processed(logits: np.ndarray, prompt: list[int], generated: list[int], p: SamplingParams,
-              stops: tuple = ()) -> np.ndarray:
+              stops: tuple = (), bad: tuple = ()) -> np.ndarray:
     """One row processed token by token, each parameter as its documentation writes it (float32 throughout);
-    stops: the stop tokens min_tokens holds back (the caller's EOS and stop_token_ids)."""
+    stops: the stop tokens min_tokens holds back (the caller's EOS and stop_token_ids); bad: the bad words'
+    token runs (a run's last token is removed where the text before the row ends with the rest)."""
     out = logits.copy()
     if p.allowed_token_ids:
         out[[t for t in range(len(out)) if t not in p.allowed_token_ids]] = -np.inf
     if len(generated) < p.min_tokens:
         out[list(stops)] = -np.inf
+    text = prompt + generated
+    for run in bad:
+        if len(run) == 1 or (len(text) >= len(run) - 1 and text[len(text) - len(run) + 1:] == list(run[:-1])):
+            out[run[-1]] = -np.inf
     for token in set(prompt) | set(generated):
         if p.repetition_penalty != 1.0:
             r = F32(p.repetition_penalty)
@@ -148,6 +153,37 @@ def test_min_tokens_holds_a_stop_token_back_until_its_position(tiny_engine, raw_
     assert stop not in got.token_ids[:10]
 
 
+def test_bad_words_remove_a_words_last_token_where_the_rest_precedes_it():
+    """Row-level: a word encoded as [3, 4] alone and [5, 4] after a space; 4 goes where 3 or 5 comes just
+    before (the request's last token, or a draft), and a one-token word's token goes everywhere."""
+    words = {"ab": [3, 4], " ab": [5, 4], "c": [9], " c": [9]}
+    params = SamplingParams(temperature=0.0, bad_words=["ab", " c"])
+    arrays = RequestArrays(params, [0], 16, encode=lambda text: words[text])
+    assert arrays.bad == [((), 9), ((3,), 4), ((5,), 4)]
+    seq = SimpleNamespace(request_id="r", params=params, num_prompt_tokens=2, num_output_tokens=1, num_tokens=3,
+                          token_ids=np.array([1, 2, 3, 0, 0, 0, 0, 0]))
+    logits = np.zeros((4, 16), np.float32)
+    process_rows(logits, [(seq, 0, np.array([7, 5, 4], np.int32))], {"r": arrays})
+    assert [bool(np.isinf(row[4])) for row in logits] == [True, False, True, False]  # after 3; 7; 5; 4
+    assert np.isinf(logits[:, 9]).all() and np.isfinite(np.delete(logits, [4, 9], axis=1)).all()
+
+
+def test_bad_words_in_greedy_decoding_follow_the_reference(tiny_engine, raw_logits, tokenizer):
+    """A word greedy decoding emits (one run of its tokens) is never completed once it is banned, and the engine
+    emits what greedy decoding over the reference's processed logits picks."""
+    plain = generate(tiny_engine, [PROMPT], GREEDY)[0].token_ids
+    word = tokenizer.decode(plain[2:4]).strip()
+    params = msgspec.structs.replace(GREEDY, bad_words=[word])
+    runs = {tuple(tokenizer.encode(text)) for text in (word, " " + word)}
+    got = generate(tiny_engine, [PROMPT], params)[0].token_ids
+    ids = list(PROMPT)
+    for _ in range(params.max_tokens):
+        ids.append(int(np.argmax(processed(raw_logits(ids), PROMPT, ids[len(PROMPT):], params, bad=tuple(runs)))))
+    assert got == ids[len(PROMPT):] and got != plain
+    for run in runs:
+        assert not any(ids[i : i + len(run)] == list(run) for i in range(len(PROMPT) - len(run) + 1, len(ids)))
+
+
 def test_sampled_tokens_keep_to_min_p_with_drafts(tiny, raw_logits, make_engine):
     """Sampling at temperature 1 with min_p, the target drafting for itself (draft_model: its drafts follow the
     unprocessed distribution, so some fall outside min_p and must be rejected): every emitted token keeps to min_p
@@ -179,7 +215,8 @@ def test_out_of_range_values_are_refused_by_name(engine):
                           ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
                           ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
                           ({"allowed_token_ids": [vocab]}, "allowed_token_ids"),
-                          ({"allowed_token_ids": [5], "grammar": "{}"}, "allowed_token_ids")):
+                          ({"allowed_token_ids": [5], "grammar": "{}"}, "allowed_token_ids"),
+                          ({"bad_words": [" "]}, "bad_words")):
         with pytest.raises(InvalidRequest) as err:
             engine.add_request(Generate("bad", SamplingParams(**fields), prompt="hi"))
         assert err.value.param == param

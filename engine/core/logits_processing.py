@@ -5,6 +5,9 @@ For a row that follows a request's tokens, in float32 and in this order (the par
 skip their part):
 
     allowed_token_ids (vLLM's): every other token is removed (-inf)
+    bad_words (vLLM's): each word's tokens (as encoded alone and after a space); where the tokens before a row
+        end with all of a word's tokens but its last, that last token is removed (a one-token word: always),
+        unless that would leave no token
     min_tokens n (vLLM's): at output positions below n the stop tokens (EOS unless ignore_eos, and the
         request's stop_token_ids) are removed, unless nothing else is left (then the request may only stop);
         the output processor does not look for stop strings before n tokens either
@@ -36,17 +39,17 @@ def processing_field(params: SamplingParams) -> str | None:
     asks = (("repetition_penalty", params.repetition_penalty != 1.0), ("presence_penalty", params.presence_penalty),
             ("frequency_penalty", params.frequency_penalty), ("logit_bias", params.logit_bias),
             ("min_p", params.min_p and params.temperature > 0), ("min_tokens", params.min_tokens > 0),
-            ("allowed_token_ids", params.allowed_token_ids))
+            ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words))
     return next((name for name, asked in asks if asked), None)
 
 
 class RequestArrays:
     """What a request's rows need as arrays, built once per request: its logit_bias as (ids, float32 values),
-    the stop tokens min_tokens holds back, and the allowed_token_ids as a mask."""
+    the stop tokens min_tokens holds back, the allowed_token_ids as a mask and the bad_words' token runs."""
 
-    __slots__ = ("bias_ids", "bias_values", "stop_ids", "allowed")
+    __slots__ = ("bias_ids", "bias_values", "stop_ids", "allowed", "bad")
 
-    def __init__(self, params: SamplingParams, eos_ids, vocab_size: int):
+    def __init__(self, params: SamplingParams, eos_ids, vocab_size: int, encode=None):
         bias = params.logit_bias
         self.bias_ids = np.fromiter(bias.keys(), np.int64, len(bias))  # [B]
         self.bias_values = np.fromiter(bias.values(), np.float32, len(bias))  # [B]
@@ -56,6 +59,19 @@ class RequestArrays:
         if params.allowed_token_ids:
             self.allowed = np.zeros(vocab_size, np.bool_)
             self.allowed[params.allowed_token_ids] = True
+        self.bad = bad_word_runs(params.bad_words, encode) if params.bad_words else []  # [(prefix, last token)]
+
+
+def bad_word_runs(words: list[str], encode) -> list[tuple[tuple[int, ...], int]]:
+    """Each bad word's token run as (the tokens before its last, its last token), encoded alone and after a
+    space (a word at the start of the text and inside it), without duplicates."""
+    runs = set()
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = [int(t) for t in encode(text)]
+            if ids:
+                runs.add((tuple(ids[:-1]), ids[-1]))
+    return sorted(runs)
 
 
 def process_rows(logits: np.ndarray, runs, arrays: dict[str, RequestArrays]) -> None:
@@ -67,11 +83,25 @@ def process_rows(logits: np.ndarray, runs, arrays: dict[str, RequestArrays]) -> 
         seen = np.unique(tokens) if p.repetition_penalty != 1.0 else None  # [distinct tokens]
         counted = np.unique(tokens[seq.num_prompt_tokens:], return_counts=True) \
             if p.presence_penalty or p.frequency_penalty else None  # (ids, counts) of the generated tokens
+        a = arrays[seq.request_id]
+        longest = max((len(prefix) for prefix, _ in a.bad), default=0)
+        before = [int(t) for t in tokens[max(0, len(tokens) - longest):]] if longest else []  # the last tokens, for bad_words
         for j in range(1 + len(drafts)):
             if j:  # row j also follows draft j - 1
                 seen = None if seen is None else np.union1d(seen, drafts[j - 1 : j])
                 counted = None if counted is None else _count_one(*counted, int(drafts[j - 1]))
-            _process(logits[first + j], seen, counted, p, arrays[seq.request_id], seq.num_output_tokens + j)
+                before.append(int(drafts[j - 1]))
+            _process(logits[first + j], seen, counted, p, a, seq.num_output_tokens + j, before)
+
+
+def _ban_bad_words(row: np.ndarray, bad, before: list[int]) -> None:
+    """Remove the last token of each bad word whose other tokens end `before` (unless nothing would be left)."""
+    banned = [last for prefix, last in bad if not prefix or tuple(before[len(before) - len(prefix):]) == prefix]
+    if banned:
+        held = row[banned]
+        row[banned] = -np.inf
+        if not np.isfinite(row).any():
+            row[banned] = held
 
 
 def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
@@ -84,9 +114,11 @@ def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndar
     return np.insert(ids, k, token), np.insert(counts, k, 1)
 
 
-def _process(row: np.ndarray, seen, counted, p: SamplingParams, arrays: RequestArrays, position: int) -> None:
+def _process(row: np.ndarray, seen, counted, p: SamplingParams, arrays: RequestArrays, position: int,
+             before: list[int]) -> None:
     """One row [vocab] that samples output `position`: seen, the distinct tokens before it (for the repetition
-    penalty); counted, the generated ones with their counts (for the frequency and presence penalties)."""
+    penalty); counted, the generated ones with their counts (for the frequency and presence penalties); before,
+    the last tokens before it (for bad_words)."""
     if arrays.allowed is not None:
         row[~arrays.allowed] = -np.inf
     if arrays.stop_ids is not None and position < p.min_tokens:
@@ -94,6 +126,8 @@ def _process(row: np.ndarray, seen, counted, p: SamplingParams, arrays: RequestA
         row[arrays.stop_ids] = -np.inf
         if not np.isfinite(row).any():  # nothing but a stop was possible here: let the request stop
             row[arrays.stop_ids] = held
+    if arrays.bad:
+        _ban_bad_words(row, arrays.bad, before)
     if seen is not None:
         values = row[seen]
         r = np.float32(p.repetition_penalty)

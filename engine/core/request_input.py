@@ -11,6 +11,7 @@ from engine.serving.protocol import RESERVED_TEMPLATE_KWARGS, Detokenize, Genera
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 128
 
 
 def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
@@ -107,6 +108,8 @@ def _check_processing(p: SamplingParams, vocab_size: int) -> None:
     if p.allowed_token_ids and p.grammar is not None:
         raise InvalidRequest("allowed_token_ids cannot be combined with an output constraint (response_format, "
                              "tools, a regex or grammar)", "allowed_token_ids")
+    if len(p.bad_words) > MAX_BAD_WORDS or not all(0 < len(w.strip()) <= 256 for w in p.bad_words):
+        raise InvalidRequest(f"bad_words takes at most {MAX_BAD_WORDS} words of 1..256 characters", "bad_words")
     if any(not 0 <= t < vocab_size for t in p.logit_bias):
         raise InvalidRequest("logit_bias keys must be token ids of this model's vocabulary", "logit_bias")
     if any(not (math.isfinite(v) and -100.0 <= v <= 100.0) for v in p.logit_bias.values()):
