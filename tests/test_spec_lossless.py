@@ -78,13 +78,16 @@ def test_multi_token_steps_respect_stops(spec_engine, reference):
 
 PENALIZED = SamplingParams(max_tokens=48, temperature=0.0, frequency_penalty=0.6, presence_penalty=0.4,
                            repetition_penalty=1.1, logit_bias={28: -5.0, 30: 2.0})
+MASKED = SamplingParams(max_tokens=48, temperature=0.0, bad_words=["Bob", "return a", "name"], min_tokens=40)
 
 
-def test_penalties_and_logit_bias_identical_to_non_speculative(spec_engine, engine, reference):
-    """The penalties count the drafts a verify row follows (engine/core/logits_processing.py): with them and a
-    logit_bias, speculative output still equals plain decoding with the same parameters, token for token."""
-    want = [generate(engine, [p], PENALIZED)[0] for p in PROMPTS]
-    got = [generate(spec_engine, [p], PENALIZED)[0] for p in PROMPTS]
+@pytest.mark.parametrize("processed", [PENALIZED, MASKED], ids=["penalties", "bad_words+min_tokens"])
+def test_penalties_and_logit_bias_identical_to_non_speculative(spec_engine, engine, reference, processed):
+    """The penalties and bad_words count the drafts a verify row follows, min_tokens its position
+    (engine/core/logits_processing.py): speculative output still equals plain decoding with the same parameters,
+    token for token."""
+    want = [generate(engine, [p], processed)[0] for p in PROMPTS]
+    got = [generate(spec_engine, [p], processed)[0] for p in PROMPTS]
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [w.token_ids for w in want] != [r.token_ids for r in reference]  # the penalties changed the outputs
     if spec_engine.spec_method != "naive":
