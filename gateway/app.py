@@ -93,6 +93,19 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    return json_response({"object": "list", "data": _model_entries(request)})
+
+
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's retrieve-a-model (`client.models.retrieve(id)`): the entry, or a 404 model_not_found."""
+    wanted = request.match_info["model"]
+    for entry in _model_entries(request):
+        if entry["id"] == wanted:
+            return json_response(entry)
+    raise OpenAIError(404, f"The model `{wanted}` does not exist.", param="model", code="model_not_found")
+
+
+def _model_entries(request: web.Request) -> list[dict]:
     table = request.app[ENGINE].table
     data, seen = [], set()
     for worker in table.workers.values():
@@ -103,7 +116,7 @@ async def models(request: web.Request) -> web.Response:
         data.append({"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "speculant",
                      "root": worker.model, "parent": None, "max_model_len": worker.max_model_len,
                      "permission": []})
-    return json_response({"object": "list", "data": data})
+    return data
 
 
 async def _engine_client(app: web.Application):
@@ -143,6 +156,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     app.router.add_post("/tokenize", tokenize.tokenize)
     app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/health", health)

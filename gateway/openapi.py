@@ -131,13 +131,15 @@ RESPONSE_SCHEMAS = {
     },
     "ChatMessage": CHAT_MESSAGE,
     "ToolCall": TOOL_CALL,
+    "Model": {
+        "type": "object", "required": ["id", "object", "created", "owned_by"],
+        "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                       "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}},
+    },
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
-        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by"],
-            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                           "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}},
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": REF.format(name="Model")}}},
     },
     "Health": {
         "type": "object",
@@ -169,11 +171,14 @@ def _generation(summary: str, request: str, response: str) -> dict:
     }}
 
 
-def _get(summary: str, schema: dict, *errors: int, content_type: str = "application/json", secured=False) -> dict:
+def _get(summary: str, schema: dict, *errors: int, content_type: str = "application/json", secured=False,
+         path_param: str | None = None) -> dict:
     op = {"summary": summary, "responses": {
         "200": {"description": "OK", "content": {content_type: {"schema": schema}}}, **_errors(*errors)}}
     if secured:
         op["security"] = [{"bearer": []}, {}]
+    if path_param:
+        op["parameters"] = [{"name": path_param, "in": "path", "required": True, "schema": {"type": "string"}}]
     return {"get": op}
 
 
@@ -216,6 +221,8 @@ def openapi_spec() -> dict:
             "/v1/completions": _generation("Text completion", "CompletionRequest", "Completion"),
             "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
             "/v1/models": _get("Served models", _ref("ModelList"), 401, secured=True),
+            "/v1/models/{model}": _get("One served model (OpenAI's retrieve)", _ref("Model"), 401, 404, secured=True,
+                                       path_param="model"),
             "/v1/speculant/stats": _get("Worker and gateway stats behind the dashboard", {"type": "object"}, 401,
                                         secured=True),
             "/tokenize": _post("A prompt's token ids (vLLM's route)", "TokenizeRequest", {"type": "object", "properties": {

@@ -41,6 +41,15 @@ def model(client):
     return entry.id
 
 
+def test_retrieve_a_model_as_the_openai_client_does(client, model):
+    entry = client.models.retrieve(model)
+    assert (entry.id, entry.object, entry.owned_by) == (model, "model", "speculant")
+    assert entry.model_extra["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+
+
 def test_chat_stream_equals_non_stream(client, model, tokenizer):
     messages = [{"role": "user", "content": "List three colors."}]
     full = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
