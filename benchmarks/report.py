@@ -143,9 +143,11 @@ def _identical_target(result: dict) -> dict:
     if result["config"].get("temperature", 0.0) == 0:
         rows, name = result["rows"], "greedy outputs identical to the baseline"
     else:
-        rows = [r for r in result["rows"] if (result["methods"][r["method"]] or {}).get("method", "none")
-                in (*MODEL_FREE, "none")]
-        name = f"seeded sampled outputs of {', '.join(MODEL_FREE)} identical to the baseline"
+        def plain_equal(cfg: dict | None) -> bool:  # verified by target_match, as the default is
+            return cfg is None or (cfg["method"] in MODEL_FREE and cfg.get("verify_strategy") in (None, "target_match"))
+
+        rows = [r for r in result["rows"] if plain_equal(result["methods"][r["method"]])]
+        name = f"seeded sampled outputs of {', '.join(MODEL_FREE)} (target_match) identical to the baseline"
     lossless = all(r["identical"] for r in rows)
     return _target(name, lossless, "all their rows" if lossless else "see the identical column")
 

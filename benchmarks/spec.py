@@ -257,7 +257,8 @@ def _spec_dict(engine) -> dict | None:
     if spec is None:
         return None
     return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-            "max_draft_tokens_per_step": spec.max_draft_tokens_per_step, "options": dict(spec.options)}
+            "max_draft_tokens_per_step": spec.max_draft_tokens_per_step, "options": dict(spec.options),
+            **({"verify_strategy": spec.verify_strategy} if spec.verify_strategy is not None else {})}
 
 
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",

@@ -111,7 +111,7 @@ def test_sampled_runs_record_their_settings_and_compare_seeded_outputs(engines, 
     assert all(r["identical"] and r["mismatches"] == [] for r in got["rows"])
     assert sum(r["num_accepted_tokens"] for r in got["rows"] if r["category"] == "all") > 0
     table = report.format_table(got)
-    assert "[met] seeded sampled outputs of ngram, suffix, naive identical" in table
+    assert "[met] seeded sampled outputs of ngram, suffix, naive (target_match) identical" in table
     assert "greedy outputs identical" not in table
     assert "sampled at temperature 0.8, top_p 0.95, seed 7" in report.format_markdown(got)
     with pytest.raises(ValueError, match="top_p"):
