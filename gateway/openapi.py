@@ -139,7 +139,8 @@ RESPONSE_SCHEMAS = {
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
-        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": REF.format(name="Model")}}},
+        "properties": {"object": {"const": "list"},
+                       "data": {"type": "array", "items": {"$ref": REF.format(name="Model")}}},
     },
     "Health": {
         "type": "object",

@@ -3,7 +3,8 @@
 Every failure is an HTTP 400 naming the field. Limits we chose (not OpenAI's):
 at most 16 stop strings of at most 256 characters each, at most 256 stop token ids,
 a per-request speculation cap `speculative.n_max` in 0..64, `speculative.method` a proposer name, at
-most 1,024 tokens in `logit_bias` and 65,536 in `allowed_token_ids`, at most 16 choices (`n`) and at most 64 prompts in one completions request.
+most 1,024 tokens in `logit_bias` and 65,536 in `allowed_token_ids`, at most 128 `bad_words`, at most 16
+choices (`n`) and at most 64 prompts in one completions request.
 Output constraints (`response_format`, `speculant.regex` / `speculant.grammar`) are compiled and
 checked in `gateway.constraints`; tools and tool_choice in `gateway.tools` and `gateway.tool_grammar`.
 """
@@ -200,8 +201,8 @@ def _spec_cap(req: SamplingRequest) -> int | None:
 
 
 # vLLM's sampling extensions we do not implement, with their values that ask for nothing (None: absent)
-_VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)), ("prompt_logprobs", (None,)), ("logits_processors", (None, [])),
-                     ("skip_special_tokens", (None, True)), ("priority", (None, 0)))
+_VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)), ("prompt_logprobs", (None,)),
+                     ("logits_processors", (None, [])), ("skip_special_tokens", (None, True)), ("priority", (None, 0)))
 
 
 def _common_checks(req: SamplingRequest) -> None:

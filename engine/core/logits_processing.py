@@ -1,5 +1,5 @@
-"""Penalties, logit_bias, min_p, min_tokens and allowed_token_ids, applied in place to the logits rows a step
-samples from.
+"""Penalties, logit_bias, min_p, min_tokens, allowed_token_ids and bad_words, applied in place to the logits rows
+a step samples from.
 
 For a row that follows a request's tokens, in float32 and in this order (the parameters at their defaults
 skip their part):
@@ -21,9 +21,10 @@ skip their part):
         m times the most likely one's is removed (-inf): logit < max + T * log(m)
 
 A verify step holds a request's rows 0..k: row j follows its tokens and then drafts 0..j-1, so row j
-counts those drafts too (and samples output position num_output_tokens + j). Each row thus gets the logits plain decoding samples that position from: greedy
-speculative output stays identical to plain output, and the rejection test (and the residual a rejected
-draft is resampled from) uses the processed target. A grammar's mask comes first (engine/llm_engine.py),
+counts those drafts too (and samples output position num_output_tokens + j). Each row thus gets the logits
+plain decoding samples that position from: greedy speculative output stays identical to plain output, and
+verification (the rejection test and the residual a rejected draft is resampled from, or target_match's
+sample) uses the processed target. A grammar's mask comes first (engine/llm_engine.py),
 so min_p measures against the most likely allowed token. Logprobs are those of the processed logits.
 """
 
@@ -85,7 +86,7 @@ def process_rows(logits: np.ndarray, runs, arrays: dict[str, RequestArrays]) -> 
             if p.presence_penalty or p.frequency_penalty else None  # (ids, counts) of the generated tokens
         a = arrays[seq.request_id]
         longest = max((len(prefix) for prefix, _ in a.bad), default=0)
-        before = [int(t) for t in tokens[max(0, len(tokens) - longest):]] if longest else []  # the last tokens, for bad_words
+        before = [int(t) for t in tokens[max(0, len(tokens) - longest):]] if longest else []  # for bad_words
         for j in range(1 + len(drafts)):
             if j:  # row j also follows draft j - 1
                 seen = None if seen is None else np.union1d(seen, drafts[j - 1 : j])
