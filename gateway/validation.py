@@ -18,7 +18,7 @@ from collections.abc import Callable
 import msgspec
 
 from engine.serving import protocol
-from engine.serving.protocol import RESERVED_TEMPLATE_KWARGS
+from engine.serving.protocol import MAX_BAD_WORDS, RESERVED_TEMPLATE_KWARGS
 from gateway.constraints import grammar_for
 from gateway.errors import OpenAIError, bad_request
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -35,7 +35,6 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_LOGIT_BIAS = 1024  # tokens in one logit_bias
 MAX_ALLOWED_TOKENS = 65536  # tokens in one allowed_token_ids
 MAX_TEMPLATE_KWARGS_CHARS = 65536  # chat_template_kwargs as JSON
-MAX_BAD_WORDS = 128
 MAX_TOKEN_ID = 2**31 - 1  # token ids and top_k are int32 in the engine; the worker checks the vocabulary
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

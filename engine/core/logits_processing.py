@@ -54,8 +54,8 @@ class RequestArrays:
         bias = params.logit_bias
         self.bias_ids = np.fromiter(bias.keys(), np.int64, len(bias))  # [B]
         self.bias_values = np.fromiter(bias.values(), np.float32, len(bias))  # [B]
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self.stop_ids = np.array(sorted(stops), np.int64) if params.min_tokens else None  # [S]
+        stops = sorted(params.stop_ids(eos_ids))
+        self.stop_ids = np.array(stops, np.int64) if params.min_tokens else None  # [S]
         self.allowed = None  # [vocab] bool
         if params.allowed_token_ids:
             self.allowed = np.zeros(vocab_size, np.bool_)
@@ -99,10 +99,15 @@ def _ban_bad_words(row: np.ndarray, bad, before: list[int]) -> None:
     """Remove the last token of each bad word whose other tokens end `before` (unless nothing would be left)."""
     banned = [last for prefix, last in bad if not prefix or tuple(before[len(before) - len(prefix):]) == prefix]
     if banned:
-        held = row[banned]
-        row[banned] = -np.inf
-        if not np.isfinite(row).any():
-            row[banned] = held
+        _remove_unless_empty(row, banned)
+
+
+def _remove_unless_empty(row: np.ndarray, ids) -> None:
+    """Set row[ids] to -inf, unless no finite logit would be left (then the row keeps them)."""
+    held = row[ids]
+    row[ids] = -np.inf
+    if not np.isfinite(row).any():
+        row[ids] = held
 
 
 def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,10 +128,7 @@ def _process(row: np.ndarray, seen, counted, p: SamplingParams, arrays: RequestA
     if arrays.allowed is not None:
         row[~arrays.allowed] = -np.inf
     if arrays.stop_ids is not None and position < p.min_tokens:
-        held = row[arrays.stop_ids]
-        row[arrays.stop_ids] = -np.inf
-        if not np.isfinite(row).any():  # nothing but a stop was possible here: let the request stop
-            row[arrays.stop_ids] = held
+        _remove_unless_empty(row, arrays.stop_ids)  # if only a stop was possible here, the request may stop
     if arrays.bad:
         _ban_bad_words(row, arrays.bad, before)
     if seen is not None:

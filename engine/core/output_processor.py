@@ -25,9 +25,7 @@ class OutputState:
         self.num_sent_chars = 0
         self.stops = [s for s in seq.params.stop if s]
         self.max_stop_len = max((len(s) for s in self.stops), default=0)
-        self.stop_ids = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            self.stop_ids |= set(tokenizer.stop_token_ids)
+        self.stop_ids = seq.params.stop_ids(tokenizer.stop_token_ids)
         self.max_model_len = max_model_len
         self.include_stop = seq.params.include_stop_str_in_output
         self.is_cut = False  # a stop string ended the text

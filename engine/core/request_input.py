@@ -7,11 +7,11 @@ import math
 
 from engine.errors import InvalidRequest
 from engine.model.tool_prompt import render_inputs
-from engine.serving.protocol import RESERVED_TEMPLATE_KWARGS, Detokenize, Generate, SamplingParams, Tokenize, Tokens
+from engine.serving.protocol import (MAX_BAD_WORDS, RESERVED_TEMPLATE_KWARGS, Detokenize, Generate, SamplingParams,
+                                     Tokenize, Tokens)
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
-MAX_BAD_WORDS = 128
 
 
 def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
@@ -37,8 +37,8 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
     if not ids:
         raise InvalidRequest("the prompt is empty", param)
     keep = msg.params.truncate_prompt_tokens
-    if keep is not None:  # vLLM's: the prompt's last `keep` tokens (validate_params checks keep >= 1)
-        ids = ids[-keep:] if keep >= 1 else ids
+    if keep is not None:  # vLLM's: the prompt's last `keep` tokens (validate_params refuses keep < 1)
+        ids = ids[-keep:]
     return ids
 
 

@@ -16,6 +16,7 @@ PROTOCOL_VERSION = 3  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens, allow
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
 # chat template variables a request's chat_template_kwargs may not set: the renderer's own
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+MAX_BAD_WORDS = 128  # words in one bad_words (the gateway and the engine both check it)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -56,6 +57,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # Completions' echo: the first Output carries the prompt's text and, with `logprobs`, each prompt token's
     # logprob (engine/core/prompt_echo.py)
     echo: bool = False
+
+    def stop_ids(self, eos_ids) -> set[int]:
+        """The tokens that end this request: its stop_token_ids, and the model's EOS ids unless ignore_eos."""
+        return set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
