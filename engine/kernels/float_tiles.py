@@ -34,6 +34,7 @@ from engine.kernels.simd import (
     f32_add,
     f32_mul,
     f32_zero,
+    item_bytes,
     prefetch,
     row_f32,
     row_hi4,
@@ -56,7 +57,7 @@ FORMATS = ("float", "q8_0", "q4_1")
 
 
 def _ask(a, at, ahead_bytes):
-    prefetch(a, at + ahead_bytes // a.itemsize)
+    prefetch(a, at + ahead_bytes // item_bytes(a))
 
 
 def float_rows2(w, s, kk, k_dim):

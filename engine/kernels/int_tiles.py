@@ -37,6 +37,7 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
     i32_splat,
     i32_sub,
     i32_zero,
+    item_bytes,
     prefetch,
     row_f16,
     row_f32,
@@ -69,8 +70,8 @@ K16_OFFSET = 32  # q6_k 32, q3_k 4: w = (d * sc) * (q - K16_OFFSET)
 def _ask_ahead(a, block, per_block):
     """Prefetch the lines of array `a` (per_block elements per block) for the block AHEAD blocks past `block`."""
     first = (block + AHEAD) * per_block
-    for line in range((per_block * a.itemsize + 63) // 64):
-        prefetch(a, first + line * (64 // a.itemsize))
+    for line in range((per_block * item_bytes(a) + 63) // 64):  # constants: the loop unrolls, no division
+        prefetch(a, first + line * (64 // item_bytes(a)))
 
 
 def _nibble_sum(qs, qh, xq, wi, hi, xi, k, tt):

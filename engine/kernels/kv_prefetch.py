@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numba as nb
 
-from engine.kernels.simd import prefetch
+from engine.kernels.simd import item_bytes, prefetch
 
 LINE = 64  # bytes per cache line
 KEY_CHUNKS_AHEAD = 2  # the scores loop asks for the 16-key chunks this far past the ones it reads
@@ -33,7 +33,7 @@ def prefetch_key_chunk(k_cache, k_scale, table, kvh, c, chunks):
     num_blocks, hd, bs = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     block = kvh * num_blocks + table[16 * c // bs]
     a = block * hd * bs + 16 * c % bs
-    rows_per_line = max(1, LINE // (bs * k_cache.itemsize))  # a chunk's row of 16 keys is bs apart
+    rows_per_line = max(1, LINE // (bs * item_bytes(k_cache)))  # a chunk's row of 16 keys is bs apart
     for d in range(0, hd, rows_per_line):
         prefetch(k_cache, a + d * bs)
     if k_scale is not None:
@@ -45,7 +45,7 @@ def prefetch_key_chunk(k_cache, k_scale, table, kvh, c, chunks):
 def prefetch_block(v_cache, v_scale, first):
     """Ask for the lines of one V block of one KV head: bs x hd elements from flat index `first`, and in
     an int8 cache their scales (bs x hd / 32 float32, from first / 32)."""
-    per_line = LINE // v_cache.itemsize
+    per_line = LINE // item_bytes(v_cache)
     for e in range(0, v_cache.shape[2] * v_cache.shape[3], per_line):
         prefetch(v_cache, first + e)
     if v_scale is not None:

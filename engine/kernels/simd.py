@@ -48,6 +48,17 @@ def wbytes(typingctx, arr, idx):
 
 
 @_intrinsic
+def item_bytes(typingctx, arr):
+    """arr's element size in bytes as a compile-time constant. (`arr.itemsize` is read from the array at run
+    time, so `64 // arr.itemsize` in a block loop compiled to an integer division per block.)"""
+
+    def codegen(context, builder, sig, args):
+        return context.get_constant(types.intp, sig.args[0].dtype.bitwidth // 8)
+
+    return types.intp(arr), codegen
+
+
+@_intrinsic
 def prefetch(typingctx, arr, idx):
     """Ask for the cache line holding arr[idx] (flat index; never faults, even past the end)."""
 
