@@ -209,3 +209,13 @@ def test_real_model_tensors_match_gguf(model_path):
         exact = x.astype(np.float64) @ ref.astype(np.float64).T
         assert np.abs(out - exact).max() / np.abs(exact).max() < 1e-5
         np.testing.assert_array_equal(run(x[3:4], w), out[3:4])
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.int32, np.float32, np.float64])
+def test_item_bytes_is_the_element_size(dtype):
+    """The prefetch helpers' element size (simd.item_bytes, a compile-time constant) equals NumPy's itemsize."""
+    from engine.kernels.simd import item_bytes
+
+    size = numba.njit(lambda a: item_bytes(a))
+    assert size(np.zeros(3, dtype)) == np.dtype(dtype).itemsize
+    assert size(np.zeros((2, 3), dtype)) == np.dtype(dtype).itemsize

@@ -7,8 +7,15 @@ import math
 
 from engine.errors import InvalidRequest
 from engine.model.tool_prompt import render_inputs
-from engine.serving.protocol import (MAX_BAD_WORDS, RESERVED_TEMPLATE_KWARGS, Detokenize, Generate, SamplingParams,
-                                     Tokenize, Tokens)
+from engine.serving.protocol import (
+    MAX_BAD_WORDS,
+    RESERVED_TEMPLATE_KWARGS,
+    Detokenize,
+    Generate,
+    SamplingParams,
+    Tokenize,
+    Tokens,
+)
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20

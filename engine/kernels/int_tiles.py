@@ -100,8 +100,10 @@ def tile(w, x, s, t0, tt):
     nb = x[0].shape[1] // 32
     f = f32_zero(tt)
     for b in range(nb):
-        _ahead(w, s * nb + b)  # noqa: F821  (the format's, bound by int_linear)
         f = _block(w, x, s, b, t0, tt, f)  # noqa: F821
+        # The prefetch after the block: before it, LLVM's scheduler ordered a tile of 8 token by token (8
+        # dependent vpdpbusd in a row) instead of 4-dot group by group, 6-11% slower at T = 8 (Xeon, journal).
+        _ahead(w, s * nb + b)  # noqa: F821  (the format's, bound by int_linear)
     return f
 
 
