@@ -54,8 +54,8 @@ class RequestArrays:
         bias = params.logit_bias
         self.bias_ids = np.fromiter(bias.keys(), np.int64, len(bias))  # [B]
         self.bias_values = np.fromiter(bias.values(), np.float32, len(bias))  # [B]
-        stops = sorted(params.stop_ids(eos_ids))
-        self.stop_ids = np.array(stops, np.int64) if params.min_tokens else None  # [S]
+        # [S] the stop tokens min_tokens holds back (None: no min_tokens)
+        self.stop_ids = np.array(sorted(params.stop_ids(eos_ids)), np.int64) if params.min_tokens else None
         self.allowed = None  # [vocab] bool
         if params.allowed_token_ids:
             self.allowed = np.zeros(vocab_size, np.bool_)
