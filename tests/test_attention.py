@@ -170,6 +170,25 @@ def test_balanced_runs_hold_every_item_once_and_even_out_the_threads():
     assert _equal_ranges_top(costs, 2) == 72 > max(loads)  # what prange's equal ranges would give
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 48])
+def test_chunk_cursor_walks_the_blocks_as_division_does(block_size):
+    from engine.kernels.kv_prefetch import chunk_cursor, next_chunk
+
+    @numba.njit
+    def walk(c0, n, bs):
+        out = np.empty((n, 2), np.int64)
+        i, o = chunk_cursor(c0, bs)
+        for j in range(n):
+            out[j, 0], out[j, 1] = i, o
+            i, o = next_chunk(i, o, bs)
+        return out
+
+    for c0 in (0, 1, 5):
+        chunks = c0 + np.arange(40)
+        expected = np.stack([16 * chunks // block_size, 16 * chunks % block_size], 1)  # [chunks, (table index, offset)]
+        np.testing.assert_array_equal(walk(c0, 40, block_size), expected)
+
+
 def test_fp16_cache_needs_vector_shapes():
     case, _ = as_fp16(make_case(40, 4, [(3, 2)]))
     with pytest.raises(ValueError, match="multiples of 16"):

@@ -38,7 +38,7 @@ from engine.kernels.attention_values import (
     TOKENS_PER_ITEM,
     _values,
 )
-from engine.kernels.kv_prefetch import prefetch_key_chunk
+from engine.kernels.kv_prefetch import chunk_cursor, line_rows, next_chunk, prefetch_key_chunk
 from engine.kernels.simd import (
     f32_add,
     f32_exp,
@@ -119,12 +119,20 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
     chunks = (num_keys + 15) // 16
     c0 = lo // 16
     paired = rows <= (PAIRED_ROWS_FLOAT if k_scale is None else PAIRED_ROWS_INT8)
+    step = line_rows(k_cache)
+    i, o = chunk_cursor(c0, bs)  # the next chunk read
+    pi, po = chunk_cursor(c0 + ahead, bs)  # the next chunk asked for
     for c in range(c0, chunks - 1 if paired else c0, 2):
         if ahead:
-            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead, chunks)
-            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead + 1, chunks)
-        a = (kvh * num_blocks + table[16 * c // bs]) * hd * bs + 16 * c % bs
-        b = (kvh * num_blocks + table[16 * (c + 1) // bs]) * hd * bs + 16 * (c + 1) % bs
+            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead, chunks, pi, po, step)
+            pi, po = next_chunk(pi, po, bs)
+            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead + 1, chunks, pi, po, step)
+            pi, po = next_chunk(pi, po, bs)
+        ba, oa = kvh * num_blocks + table[i], o
+        i, o = next_chunk(i, o, bs)
+        bb, ob = kvh * num_blocks + table[i], o
+        i, o = next_chunk(i, o, bs)
+        a, b = ba * hd * bs + oa, bb * hd * bs + ob
         sa = f32_zero(rows)
         sb = f32_zero(rows)
         for d0 in range(0, hd, span):
@@ -134,27 +142,31 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
                 q = tok_f32(qkv, q0 + d, qstride, rows)
                 pa = f32_fma(q, row_f32(k_cache, a + d * bs), pa)
                 pb = f32_fma(q, row_f32(k_cache, b + d * bs), pb)
-            sa = _scaled(pa, sa, k_scale, _scale_index(a, d0, hd, bs))
-            sb = _scaled(pb, sb, k_scale, _scale_index(b, d0, hd, bs))
+            sa = _scaled(pa, sa, k_scale, _scale_index(ba, oa, d0, hd, bs))
+            sb = _scaled(pb, sb, k_scale, _scale_index(bb, ob, d0, hd, bs))
         store_rows(scores, 16 * c, ld, sa, 16)
         store_rows(scores, 16 * c + 16, ld, sb, 16)
-    for c in range(chunks - (chunks - c0) % 2 if paired else c0, chunks):
+    for c in range(chunks - (chunks - c0) % 2 if paired else c0, chunks):  # (i, o): chunk c's cursor
         if ahead:
-            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead, chunks)
-        a = (kvh * num_blocks + table[16 * c // bs]) * hd * bs + 16 * c % bs
+            prefetch_key_chunk(k_cache, k_scale, table, kvh, c + ahead, chunks, pi, po, step)
+            pi, po = next_chunk(pi, po, bs)
+        ba, oa = kvh * num_blocks + table[i], o
+        i, o = next_chunk(i, o, bs)
+        a = ba * hd * bs + oa
         sa = f32_zero(rows)
         for d0 in range(0, hd, span):
             pa = f32_zero(rows)
             for d in range(d0, d0 + span):
                 pa = f32_fma(tok_f32(qkv, q0 + d, qstride, rows), row_f32(k_cache, a + d * bs), pa)
-            sa = _scaled(pa, sa, k_scale, _scale_index(a, d0, hd, bs))
+            sa = _scaled(pa, sa, k_scale, _scale_index(ba, oa, d0, hd, bs))
         store_rows(scores, 16 * c, ld, sa, 16)
 
 
 @nb.njit(cache=True, inline="always")
-def _scale_index(a, d0, hd, bs):
-    """Flat index in k_scale [kv, blocks, hd / 32, bs] of dims d0..d0+31 of the keys at flat k_cache index a."""
-    return a // (hd * bs) * (hd // 32 * bs) + d0 // 32 * bs + a % (hd * bs)
+def _scale_index(block, o, d0, hd, bs):
+    """Flat index in k_scale [kv, blocks, hd / 32, bs] of dims d0..d0+31 of the keys from offset o of
+    cache block `block` (kvh * num_blocks + its table entry)."""
+    return block * (hd // 32 * bs) + d0 // 32 * bs + o
 
 
 @nb.njit(cache=True)
