@@ -196,7 +196,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
-    continue_final_message: bool | None = None  # vLLM's; not implemented: true is a 400
+    continue_final_message: bool | None = None  # vLLM's: the model continues the final message (validation.prompt_ending)
     tools: list[ToolDef] | None = None
     # "none" | "auto" (the default with tools) | "required" | NamedToolChoice; required and named
     # choices constrain the answer to exactly one call (see gateway.tool_grammar).

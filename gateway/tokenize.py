@@ -1,6 +1,7 @@
 """vLLM's /tokenize and /detokenize: a worker's tokenizer over the wire (the gateway holds none).
 
-    POST /tokenize    {"model"?, "prompt": "text"} or {"model"?, "messages": [...], "add_generation_prompt"?}
+    POST /tokenize    {"model"?, "prompt": "text"} or {"model"?, "messages": [...], "add_generation_prompt"?,
+                       "continue_final_message"?}
                       -> {"count", "max_model_len", "tokens"}: the ids a completion or chat request would start from
     POST /detokenize  {"model"?, "tokens": [ids]} -> {"prompt": "text"}
 """
@@ -18,7 +19,7 @@ from engine.serving import protocol
 from gateway.errors import OpenAIError, bad_request
 from gateway.generation import ENGINE
 from gateway.openai_schema import ChatMessageIn, decode_with
-from gateway.validation import MAX_TOKEN_ID, _messages, template_kwargs_json
+from gateway.validation import MAX_TOKEN_ID, _messages, prompt_ending, template_kwargs_json
 
 ANSWER_TIMEOUT_S = 30.0  # a worker that never answers (an older one drops messages it does not know)
 
@@ -29,7 +30,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # default true; false with continue_final_message
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -47,7 +49,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of prompt and messages", "prompt")
     fields = {"prompt": req.prompt} if req.prompt is not None else {
-        "messages": _messages(req), "add_generation_prompt": req.add_generation_prompt,
+        "messages": _messages(req), **prompt_ending(req.add_generation_prompt, req.continue_final_message),
         "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}
     answer, worker = await _ask(request.app[ENGINE], req.model, lambda rid: protocol.Tokenize(rid, **fields))
     return web.json_response({"count": len(answer.token_ids), "max_model_len": worker.max_model_len,

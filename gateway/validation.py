@@ -275,8 +275,6 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     """Checks a chat body; returns the prompt fields of `Generate` and the options."""
     _common_checks(req)
     plan = tool_plan(req)
-    _unsupported(not req.continue_final_message, "continue_final_message",
-                 "continue_final_message is not supported by this server")
     mct = req.max_completion_tokens
     _require(mct is None or mct >= 1, "max_completion_tokens", "max_completion_tokens must be at least 1")
     top = req.top_logprobs
@@ -287,9 +285,19 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     opts = _options(req, "chat", logprobs, max_tokens, param)
     opts.tool_names = plan.names if plan.active else ()
     fields = [{"messages": _messages(req), "tools_json": plan.tools_json(),
-               "add_generation_prompt": req.add_generation_prompt is not False,
+               **prompt_ending(req.add_generation_prompt, req.continue_final_message),
                "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}]
     return Validated(fields, opts, sampling_params(req, opts, lambda r: tool_grammar(r, plan)))
+
+
+def prompt_ending(add_generation_prompt: bool | None, continue_final_message: bool | None) -> dict:
+    """How a chat prompt ends, as Generate / Tokenize fields: the assistant's turn opened (add_generation_prompt,
+    the default), or with vLLM's continue_final_message the final message left open for the model to continue
+    (add_generation_prompt then defaults to false; both true is a 400, as in vLLM)."""
+    cont = bool(continue_final_message)
+    _require(not (cont and add_generation_prompt), "add_generation_prompt",
+             "add_generation_prompt and continue_final_message cannot both be true")
+    return {"add_generation_prompt": add_generation_prompt is not False and not cont, "continue_final_message": cont}
 
 
 def template_kwargs_json(kwargs: dict | None) -> str | None:

@@ -69,7 +69,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "length_penalty": 0.5}, "length_penalty"),
     ("chat/completions", {"messages": CHAT, "skip_special_tokens": False}, "skip_special_tokens"),
     ("chat/completions", {"messages": CHAT, "priority": 3}, "priority"),
-    ("chat/completions", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+    ("chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
+     "add_generation_prompt"),
+    ("chat/completions", {"messages": CHAT, "continue_final_message": "yes"}, "continue_final_message"),
     ("completions", {"prompt": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "a", "speculative": {"n_max": -1}}, "speculative.n_max"),
@@ -164,6 +166,8 @@ async def test_unparseable_body_is_400(client, raw):
                                    {"repetition_penalty": 1.2, "min_p": 0.05}, {"n": 3, "seed": 5},
                                    {"min_tokens": 4, "allowed_token_ids": [5, 6]},
                                    {"chat_template_kwargs": {"enable_thinking": False}},
+                                   {"continue_final_message": True},
+                                   {"continue_final_message": True, "add_generation_prompt": False},
                                    {"include_stop_str_in_output": True, "truncate_prompt_tokens": 5,
                                     "use_beam_search": False, "skip_special_tokens": True, "bad_words": ["x"]}])
 async def test_valid_request_without_workers_is_503(client, extra):

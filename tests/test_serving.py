@@ -253,6 +253,31 @@ def test_tokenize_and_detokenize(cluster, client, model, tokenizer):
         assert (status, error["error"]["param"]) == (400, param), error
 
 
+def test_continue_final_message_continues_a_prefilled_answer(cluster, client, model, tokenizer):
+    """vLLM's continue_final_message: the model continues the final (assistant) message. The reference is a plain
+    completion of the closed conversation's rendering with SmolLM2's end of turn ('<|im_end|>\\n') cut off by hand."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"continue_final_message": True})
+    closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert closed.endswith("The capital of France is<|im_end|>\n")
+    plain = client.completions.create(model=model, prompt=closed[: -len("<|im_end|>\n")], max_tokens=8,
+                                      temperature=0)
+    assert reply.choices[0].message.content == plain.choices[0].text != ""
+    assert reply.usage.prompt_tokens == plain.usage.prompt_tokens
+    status, ids, _ = http(f"{cluster.url}/tokenize", {"messages": messages, "continue_final_message": True})
+    assert (status, ids["count"]) == (200, plain.usage.prompt_tokens)
+    empty_final = [messages[0], {"role": "assistant", "content": ""}]
+    for extra, sent, param in (({"add_generation_prompt": True}, messages, "add_generation_prompt"),
+                               ({}, empty_final, "messages")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=sent, max_tokens=4,
+                                           extra_body={"continue_final_message": True, **extra})
+        assert err.value.body["param"] == param, err.value.body
+    assert client.chat.completions.create(model=model, messages=messages[:1], max_tokens=2).choices  # still serving
+
+
 async def read_events(resp: aiohttp.ClientResponse, count: int) -> list[dict]:
     events = []
     async for line in resp.content:

@@ -233,3 +233,49 @@ def test_unsupported_gguf_tokenizers_raise_value_error(tmp_path):
         Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "d.gguf", model="llama"))
     with pytest.raises(ValueError, match="text"):
         Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "c.gguf")).encode(b"bytes")
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_final_message(tmp_path):
+    """vLLM's continue_final_message: the rendering of the closed conversation, cut right after the final message's
+    text. The references are the closed renderings with their end of turn taken off by hand: ChatML keeps a
+    message as written (its trailing space too), the Gemma template trims it."""
+    chatml = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "chatml.gguf"))
+    chat = [{"role": "user", "content": "Say is"}, {"role": "assistant", "content": "It is "}]
+    closed = chatml.apply_chat_template(chat, add_generation_prompt=False)
+    assert closed.endswith("It is <|im_end|>\n")
+    assert chatml.apply_chat_template(chat, False, True) == closed[: -len("<|im_end|>\n")]
+    # the final text also appears earlier in the conversation: the last occurrence is the final message
+    echo = [{"role": "user", "content": "It is"}, {"role": "assistant", "content": "It is"}]
+    assert chatml.apply_chat_template(echo, False, True) == \
+        chatml.apply_chat_template(echo, add_generation_prompt=False)[: -len("<|im_end|>\n")]
+
+    from engine.model.chat_templates import GEMMA_TEMPLATE
+
+    gemma = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "gemma.gguf", template=GEMMA_TEMPLATE))
+    closed = gemma.apply_chat_template(chat, add_generation_prompt=False)
+    assert closed.endswith("<start_of_turn>model\nIt is<end_of_turn>\n")
+    assert gemma.apply_chat_template(chat, False, True) == closed[: -len("<end_of_turn>\n")]
+
+    for final in ("", "  \n"):  # nothing to continue
+        with pytest.raises(ValueError, match="messages: continue_final_message"):
+            chatml.apply_chat_template([chat[0], {"role": "assistant", "content": final}], False, True)
+
+
+def test_a_conversation_the_template_refuses_is_an_invalid_request_naming_messages(tmp_path):
+    """A template's raise_exception (Gemma's turns that do not alternate, say) is the client's error: a 400
+    naming `messages` through the worker, not an engine failure."""
+    from engine.core.request_input import prompt_token_ids
+    from engine.errors import InvalidRequest
+    from engine.model.chat_templates import GEMMA_TEMPLATE
+    from engine.serving.protocol import ChatMessage, Generate, SamplingParams
+
+    gemma = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "gemma.gguf", template=GEMMA_TEMPLATE))
+    twice = [ChatMessage("user", "one"), ChatMessage("user", "two")]
+    with pytest.raises(InvalidRequest, match="alternate user and assistant turns") as err:
+        prompt_token_ids(Generate("r", SamplingParams(), messages=twice), gemma)
+    assert err.value.param == "messages"
+    empty = [ChatMessage("user", "one"), ChatMessage("assistant", "")]
+    with pytest.raises(InvalidRequest, match="continue_final_message") as err:
+        prompt_token_ids(Generate("r", SamplingParams(), messages=empty, add_generation_prompt=False,
+                                  continue_final_message=True), gemma)
+    assert err.value.param == "messages"

@@ -26,8 +26,12 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
         if not msg.messages:
             raise InvalidRequest("messages must not be empty", "messages")
         messages, context = render_inputs(msg.messages, msg.tools_json, tokenizer.template_source())
-        text = tokenizer.apply_chat_template(messages, msg.add_generation_prompt,
-                                             **_template_kwargs(msg.chat_template_kwargs_json), **context)
+        kwargs = _template_kwargs(msg.chat_template_kwargs_json)
+        try:
+            text = tokenizer.apply_chat_template(messages, msg.add_generation_prompt, msg.continue_final_message,
+                                                 **kwargs, **context)
+        except ValueError as exc:  # the template refused the conversation (raise_exception), or nothing to continue
+            raise InvalidRequest(str(exc).removeprefix("messages: "), "messages") from exc
         ids = tokenizer.encode(text)
         param = "messages"
     elif msg.prompt_token_ids is not None:
@@ -64,7 +68,7 @@ def tokens_reply(msg: Tokenize | Detokenize, tokenizer) -> Tokens:
             raise InvalidRequest("tokens must be token ids of this model's vocabulary", "tokens")
         return Tokens(msg.request_id, text=tokenizer.decode(msg.token_ids))
     fields = {f: getattr(msg, f) for f in ("prompt", "messages", "tools_json", "add_generation_prompt",
-                                           "chat_template_kwargs_json")}
+                                           "chat_template_kwargs_json", "continue_final_message")}
     ids = prompt_token_ids(Generate(msg.request_id, SamplingParams(), **fields), tokenizer)
     return Tokens(msg.request_id, token_ids=[int(t) for t in ids])
 

@@ -50,14 +50,30 @@ def default_template(tokens: Sequence[str]) -> str:
     return GEMMA_TEMPLATE if "<start_of_turn>" in tokens and "<end_of_turn>" in tokens else CHATML_TEMPLATE
 
 
-def render(source: str, messages: Sequence[Any], add_generation_prompt: bool, **context: Any) -> str:
+def render(source: str, messages: Sequence[Any], add_generation_prompt: bool, continue_final_message: bool = False,
+           **context: Any) -> str:
+    """The conversation as prompt text; continue_final_message: cut after the final message's text (open_final)."""
     template = compile_template(source)
+    normalized = normalize_messages(messages)
     try:
-        return template.render(
-            messages=normalize_messages(messages), add_generation_prompt=add_generation_prompt, **context
-        )
+        text = template.render(messages=normalized, add_generation_prompt=add_generation_prompt, **context)
     except jinja2.TemplateError as exc:
         raise ValueError(f"messages: the chat template rejected the conversation: {exc}") from exc
+    return open_final(text, normalized[-1]["content"]) if continue_final_message else text
+
+
+def open_final(text: str, final: str) -> str:
+    """The rendered chat `text` ended right after the final message's content `final`, so that the model
+    continues that message (vLLM's continue_final_message: a prefilled start of the answer). Templates often
+    trim a message, so its stripped content is looked for, last occurrence; the message's trailing whitespace
+    stays where the template kept it."""
+    core = final.strip()
+    at = text.rfind(core) if core else -1
+    if at < 0:
+        raise ValueError("messages: continue_final_message needs a final message with text that the chat "
+                         "template renders unchanged")
+    whole = final.lstrip()  # the content as written, trailing whitespace included
+    return text[: at + (len(whole) if text.startswith(whole, at) else len(core))]
 
 
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:

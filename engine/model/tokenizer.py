@@ -266,9 +266,11 @@ class Tokenizer:
         """The file's chat template, or the format its vocabulary implies when it carries none."""
         return self.chat_template or chat_templates.default_template(self._tokens)
 
-    def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
         """Render a conversation to the prompt text the model was tuned on (the file's template, or
-        the format its vocabulary implies when it carries none)."""
+        the format its vocabulary implies when it carries none); continue_final_message: ending inside
+        the final message, right after its text (chat_templates.open_final)."""
         source = self.template_source()
         context = dict(kwargs, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        return chat_templates.render(source, messages, add_generation_prompt, **context)
+        return chat_templates.render(source, messages, add_generation_prompt, continue_final_message, **context)

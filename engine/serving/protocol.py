@@ -86,6 +86,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     add_generation_prompt: bool = True
     # chat: vLLM's chat_template_kwargs (a JSON object's text): extra variables the chat template sees
     chat_template_kwargs_json: str | None = None
+    continue_final_message: bool = False  # chat: the prompt ends inside the final message (a prefilled answer)
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -108,6 +109,7 @@ class Tokenize(msgspec.Struct, tag="tokenize", frozen=True):
     tools_json: str | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs_json: str | None = None
+    continue_final_message: bool = False
 
 
 class Detokenize(msgspec.Struct, tag="detokenize", frozen=True):
