@@ -69,26 +69,30 @@ def never(num_tokens, cu_q, num_keys, num_heads, num_kv):
 def _group_scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, rows, scores):
     """_scores with `rows` as a literal (1, 2, 4 or 8), asking for the K lines ahead."""
     if rows == 1:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 1, scores, KEY_CHUNKS_AHEAD)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 1, scores, np.int64(KEY_CHUNKS_AHEAD))
     elif rows == 2:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 2, scores, KEY_CHUNKS_AHEAD)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 2, scores, np.int64(KEY_CHUNKS_AHEAD))
     elif rows == 4:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 4, scores, KEY_CHUNKS_AHEAD)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 4, scores, np.int64(KEY_CHUNKS_AHEAD))
     else:
-        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 8, scores, KEY_CHUNKS_AHEAD)
+        _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 8, scores, np.int64(KEY_CHUNKS_AHEAD))
 
 
 @nb.njit(cache=True, inline="always")
 def _group_values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, rows, d0, d1):
     """_values with `rows` as a literal (1, 2, 4 or 8), asking for the V blocks ahead."""
     if rows == 1:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, False, d0, d1, VALUE_BLOCKS_AHEAD)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, np.bool_(False), d0, d1,
+                np.int64(VALUE_BLOCKS_AHEAD))
     elif rows == 2:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 2, False, d0, d1, VALUE_BLOCKS_AHEAD)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 2, np.bool_(False), d0, d1,
+                np.int64(VALUE_BLOCKS_AHEAD))
     elif rows == 4:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 4, False, d0, d1, VALUE_BLOCKS_AHEAD)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 4, np.bool_(False), d0, d1,
+                np.int64(VALUE_BLOCKS_AHEAD))
     else:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 8, False, d0, d1, VALUE_BLOCKS_AHEAD)
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 8, np.bool_(False), d0, d1,
+                np.int64(VALUE_BLOCKS_AHEAD))
 
 
 @nb.njit(cache=True, inline="always")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import llvmlite.binding as llvm
 import numba as nb
+import numpy as np
 
 from engine.kernels.kv_prefetch import prefetch_block
 from engine.kernels.simd import (
@@ -53,7 +54,7 @@ def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, 
     V block that many blocks on (kv_prefetch; the tiles pass 0)."""
     nb.literally(rows)
     hd = v_cache.shape[3]
-    c = d0
+    c = np.int64(d0)  # a run-time value: one build of each pass for the tiles' d0 = 0 and later dims (attention_vec)
     if rows <= QUAD_ROWS and hd % 32 == 0:
         while d1 - c >= 64:
             _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 64, ahead)

@@ -23,6 +23,13 @@ In a tile, a row with a later lo gets exact zero weights for the keys before it 
 changes no sum), and rows with more keys continue their sums alone over the extra keys. So a
 query's output depends only on its q and its request's keys: not on the batch, the tile, or how
 its prompt was chunked.
+
+Builds: Numba types a constant argument of a call between jitted functions as a literal, and builds the
+callee once per literal value. `rows` and the values pass's `width` are literals by design (they fix the
+registers), and so are the tiles' zero offsets and prefetch distance (literal zeros keep a tile of 8's
+loops as tight as they were: as run-time values they cost it 3-13%). The rest goes as np.int64 /
+np.bool_: the tiles' token arithmetic (inc, phase, period) and the values passes' first dim. That is 49
+builds of _scores, _values, _value_sums, _tile and _tiles where there were 62.
 """
 
 from __future__ import annotations
@@ -200,8 +207,9 @@ def first_key(num_keys, window):
 
 @nb.njit(cache=True, inline="always")
 def _row_keys(keys0, inc, phase, period, r):
-    """Keys of tile row r: keys0 + ((phase + r) % period) * inc (row r is token (phase + r) % period of a run)."""
-    return keys0 + (phase + r) % period * inc
+    """Keys of tile row r: keys0 + ((phase + r) % period) * inc (row r is token (phase + r) % period of a run);
+    inc = 0 (a decode's heads) skips the division."""
+    return keys0 + (phase + r) % period * inc if inc else keys0
 
 
 @nb.njit(cache=True)
@@ -237,7 +245,7 @@ def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostri
 def _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostride, kvh, keys0, inc, period, window,
            count, scale, out, scores, inv):
     """`count` rows in tiles of 8 (see TOKENS_PER_ITEM), 4, 2, 1; row r sees _row_keys(keys0, inc, 0, period, r)."""
-    r = 0
+    r = np.int64(0)  # a run-time value (module docstring: builds)
     while TOKENS_PER_ITEM == 8 and count - r >= 8:
         _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0 + r * qstride, qstride, o0 + r * ostride, ostride, kvh,
               keys0, inc, r, period, window, scale, out, scores, inv, 8)
@@ -267,7 +275,8 @@ def _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, num
     for i in range(num_heads):
         for t in range(num_tokens):
             q_rows[i * num_tokens + t] = qkv[t0 + t, (h0 + i) * hd : (h0 + i + 1) * hd]
-    _tiles(q_rows, k_cache, v_cache, k_scale, v_scale, table, 0, hd, 0, hd, kvh, keys0, 1, num_tokens, window, rows,
+    zero, one = np.int64(0), np.int64(1)  # run-time values (module docstring: builds)
+    _tiles(q_rows, k_cache, v_cache, k_scale, v_scale, table, zero, hd, zero, hd, kvh, keys0, one, num_tokens, window, rows,
            scale, o_rows, scores, inv)
     for i in range(num_heads):
         for t in range(num_tokens):
@@ -378,11 +387,11 @@ def _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, t0, r, cu_q, po
     h0 = kvh * group + first
     if num_tokens == 1:  # the group's heads share the loads
         _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
-               kvh, keys0, 0, 1, window, last - first, scale, out, scores, inv)
+               kvh, keys0, np.int64(0), np.int64(1), window, last - first, scale, out, scores, inv)
     elif (last - first) * num_tokens <= TOKENS_PER_ITEM:  # the item's heads x the chunk's tokens share them
         _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, last - first, num_tokens, kvh,
                          keys0, window, scale, out, scores, inv)
     else:  # per head, the chunk's tokens share the loads
         for h in range(h0, kvh * group + last):
             _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h * hd, qs, t0 * os_ + h * hd, os_,
-                   kvh, keys0, 1, num_tokens, window, num_tokens, scale, out, scores, inv)
+                   kvh, keys0, np.int64(1), num_tokens, window, num_tokens, scale, out, scores, inv)
