@@ -1,0 +1,77 @@
+"""End to end over /tokenize, /detokenize and chat's continue_final_message: a real gateway and worker, the real
+model, the openai client; each reference is computed independently (the tokenizer, a plain completion)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from servers import MAX_MODEL_LEN, gateway_and_worker, http
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_path):
+    with gateway_and_worker(tmp_path_factory.mktemp("tokens"), model_path) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    (entry,) = client.models.list().data
+    return entry.id
+
+
+def test_tokenize_and_detokenize(cluster, client, model, tokenizer):
+    """vLLM's /tokenize and /detokenize, answered by a worker's tokenizer: a text's ids, a chat's ids as its
+    completion counts them, the text back from ids, and 400s naming the field for bad bodies."""
+    status, body, _ = http(f"{cluster.url}/tokenize", {"model": model, "prompt": "Hello world, again"})
+    assert status == 200 and body["tokens"] == tokenizer.encode("Hello world, again")
+    assert (body["count"], body["max_model_len"]) == (len(body["tokens"]), MAX_MODEL_LEN)
+    messages = [{"role": "user", "content": "Name three prime numbers."}]
+    status, chat, _ = http(f"{cluster.url}/tokenize", {"messages": messages})
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert status == 200 and chat["count"] == reply.usage.prompt_tokens
+    status, kwargs, _ = http(f"{cluster.url}/tokenize", {"messages": messages,  # SmolLM2's template reads none
+                                                          "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and kwargs["tokens"] == chat["tokens"]
+    status, back, _ = http(f"{cluster.url}/detokenize", {"tokens": body["tokens"]})
+    assert (status, back) == (200, {"prompt": "Hello world, again"})
+    for path, bad, param in (("tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                             ("tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+                             ("tokenize", {"messages": messages, "chat_template_kwargs": {"messages": []}},
+                              "chat_template_kwargs"),
+                             ("detokenize", {"tokens": [tokenizer.vocab_size]}, "tokens"),
+                             ("detokenize", {"tokens": "12"}, "tokens")):
+        status, error, _ = http(f"{cluster.url}/{path}", bad)
+        assert (status, error["error"]["param"]) == (400, param), error
+
+
+def test_continue_final_message_continues_a_prefilled_answer(cluster, client, model, tokenizer):
+    """vLLM's continue_final_message: the model continues the final (assistant) message. The reference is a plain
+    completion of the closed conversation's rendering with SmolLM2's end of turn ('<|im_end|>\\n') cut off by hand."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"continue_final_message": True})
+    closed = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert closed.endswith("The capital of France is<|im_end|>\n")
+    plain = client.completions.create(model=model, prompt=closed[: -len("<|im_end|>\n")], max_tokens=8,
+                                      temperature=0)
+    assert reply.choices[0].message.content == plain.choices[0].text != ""
+    assert reply.usage.prompt_tokens == plain.usage.prompt_tokens
+    status, ids, _ = http(f"{cluster.url}/tokenize", {"messages": messages, "continue_final_message": True})
+    assert (status, ids["count"]) == (200, plain.usage.prompt_tokens)
+    empty_final = [messages[0], {"role": "assistant", "content": ""}]
+    for extra, sent, param in (({"add_generation_prompt": True}, messages, "add_generation_prompt"),
+                               ({}, empty_final, "messages")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=sent, max_tokens=4,
+                                           extra_body={"continue_final_message": True, **extra})
+        assert err.value.body["param"] == param, err.value.body
+    assert client.chat.completions.create(model=model, messages=messages[:1], max_tokens=2).choices  # still serving
