@@ -22,7 +22,7 @@ from engine.core.prompt_echo import PromptEchoes
 from engine.core.logits_processing import RequestArrays, process_rows, processing_field
 from engine.serving.protocol import Detokenize, Generate, Output, Tokenize, Tokens, WorkerStats
 from engine.spec_decode.proposer_pool import ProposerPool
-from engine.core.request_input import prompt_token_ids, scores_prompt, tokens_reply, validate_params
+from engine.core.request_input import prompt_scoring_field, prompt_token_ids, tokens_reply, validate_params
 from engine.core.scheduler import ScheduledSeq
 from engine.core.sequence import Sequence
 from engine.spec_decode.spec_log import SpecLogger, SpecTotals
@@ -74,7 +74,7 @@ class LLMEngine:
         self.proposers.get(msg.params.speculative_method)  # an unknown method is refused before anything starts
         ids = prompt_token_ids(msg, self.tokenizer)
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
-        processing = processing_field(msg.params) or ("echo" if scores_prompt(msg.params) else None)
+        processing = processing_field(msg.params) or prompt_scoring_field(msg.params)
         if processing and not self.runner.supports_grammars:
             raise InvalidRequest(f"{processing}: penalties, logit_bias, min_p, min_tokens, allowed_token_ids, "
                                  "bad_words and prompt logprobs run on the CPU backend only", processing)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from engine.serving import protocol
 from gateway import tool_calls
 from gateway.validation import RequestOptions
@@ -34,6 +36,7 @@ class ResponseBuilder:
         self.grammar: list[bool] = []  # with provenance: accepted drafts the grammar forced
         self.finish_reason: str | None = None
         self.last: protocol.Output | None = None
+        self.prompt_entries: list[protocol.TokenLogprob] | None = None  # vLLM's prompt_logprobs, when asked
         self.tool_names = opts.tool_names if self.is_chat else ()
         self.tool_stream = tool_calls.ToolCallStream(self.tool_names) if self.tool_names else None
 
@@ -102,7 +105,7 @@ class ResponseBuilder:
         else:
             text, items, token_ids = out.text, list(out.logprobs or []), list(out.token_ids)
         if self.opts.echo and out.prompt_text is not None:
-            text, items = out.prompt_text + text, list(out.prompt_logprobs or []) + items
+            text, items = out.prompt_text + text, _at_most(out.prompt_logprobs, self.opts.logprobs) + items
         return text, items, token_ids
 
     # ------------------------------------------------------------ whole answer
@@ -118,6 +121,8 @@ class ResponseBuilder:
             self.grammar.extend(out.grammar_forced or [])
         self.finish_reason = out.finish_reason or self.finish_reason
         self.last = out
+        if out.prompt_logprobs is not None and self.opts.prompt_logprobs is not None:
+            self.prompt_entries = out.prompt_logprobs
 
     def choice(self) -> dict:
         """This choice of the whole answer (its provenance, if asked, under `speculant`)."""
@@ -136,11 +141,19 @@ class ResponseBuilder:
             choice = {"index": self.index, "text": text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
+        if self.opts.prompt_logprobs is not None and not self.is_chat:  # chat's: once, at the top level
+            choice["prompt_logprobs"] = self.prompt_logprobs()
         if self.opts.provenance:
             choice["speculant"] = {"token_ids": self.token_ids, "drafted": self.drafted, "grammar": self.grammar}
         return choice
 
     # ------------------------------------------------------------ logprobs
+
+    def prompt_logprobs(self) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank,
+        decoded_token}} for the token itself and then its top alternatives."""
+        k = self.opts.prompt_logprobs or 0
+        return [None if e.logprob is None else _prompt_entry(e, k) for e in self.prompt_entries or []]
 
     def _logprobs(self, items: list[protocol.TokenLogprob], text_offset: int) -> dict:
         if self.is_chat:
@@ -180,9 +193,26 @@ def response(builders: list[ResponseBuilder]) -> dict:
     choices = [b.choice() for b in builders]
     body = {"id": first.request_id, "object": first.object, "created": first.created, "model": first.model,
             "choices": choices, "usage": usage(builders)}
+    if first.opts.prompt_logprobs is not None and first.is_chat:
+        body["prompt_logprobs"] = first.prompt_logprobs()  # vLLM's place for chat: one conversation, one list
     if first.opts.provenance and len(builders) == 1:
         body["speculant"] = choices[0].pop("speculant")
     return body
+
+
+def _at_most(entries: list[protocol.TokenLogprob] | None, k: int | None) -> list[protocol.TokenLogprob]:
+    """Echo's prompt entries with at most k alternatives each (prompt_logprobs may have asked for more);
+    none when echo's logprobs are off."""
+    if k is None or not entries:
+        return []
+    return [e if len(e.top) <= k else msgspec.structs.replace(e, top=e.top[:k]) for e in entries]
+
+
+def _prompt_entry(e: protocol.TokenLogprob, k: int) -> dict:
+    entry = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+    for rank, (token_id, token, logprob) in enumerate(e.top[:k], start=1):
+        entry.setdefault(str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": token})
+    return entry
 
 
 def _present(chunk: dict | None) -> list[dict]:

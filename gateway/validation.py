@@ -56,6 +56,7 @@ class RequestOptions:
     n: int = 1  # choices: one engine request each
     echo: bool = False  # completions: the answer starts with the prompt (and its tokens' logprobs)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine still makes one token, unsent)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and this many alternatives
 
 
 @dataclasses.dataclass(slots=True)
@@ -115,6 +116,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         stop_token_ids=_stop_token_ids(req.stop_token_ids),
         ignore_eos=bool(req.ignore_eos),
         logprobs=opts.logprobs,
+        prompt_logprobs=opts.prompt_logprobs,
         num_speculative_tokens=_spec_cap(req),
         speculative_method=_spec_method(req),
         include_provenance=opts.provenance,
@@ -200,7 +202,7 @@ def _spec_cap(req: SamplingRequest) -> int | None:
 
 
 # vLLM's sampling extensions we do not implement, with their values that ask for nothing (None: absent)
-_VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)), ("prompt_logprobs", (None,)),
+_VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)),
                      ("logits_processors", (None, [])), ("skip_special_tokens", (None, True)), ("priority", (None, 0)))
 
 
@@ -217,9 +219,22 @@ def _common_checks(req: SamplingRequest) -> None:
     _require(req.min_p is None or 0.0 <= req.min_p <= 1.0, "min_p", "min_p must be between 0 and 1")
     _require(bool(req.stream) or req.stream_options is None, "stream_options",
              "stream_options can only be set when stream is true")
+    _prompt_logprobs_checks(req)
     echo_only = getattr(req, "echo", False) and req.max_tokens == 0  # completions: score the prompt alone
     _require(req.max_tokens is None or req.max_tokens >= 1 or echo_only, "max_tokens",
              "max_tokens must be at least 1 (0 only with echo)")
+
+
+def _prompt_logprobs_checks(req: SamplingRequest) -> None:
+    """vLLM's prompt_logprobs: 0..MAX_LOGPROBS alternatives, not streamed (as in vLLM); -1 (vLLM's whole
+    vocabulary) is refused."""
+    k = req.prompt_logprobs
+    if k is None:
+        return
+    _unsupported(k != -1, "prompt_logprobs", f"prompt_logprobs -1 (the whole vocabulary) is not supported; "
+                                             f"ask for at most {MAX_LOGPROBS} alternatives")
+    _require(0 <= k <= MAX_LOGPROBS, "prompt_logprobs", f"prompt_logprobs must be an integer in 0..{MAX_LOGPROBS}")
+    _require(not req.stream, "prompt_logprobs", "prompt_logprobs are not available when stream is true")
 
 
 def _options(req: SamplingRequest, kind: str, logprobs: int | None, max_tokens, max_tokens_param) -> RequestOptions:
@@ -233,6 +248,7 @@ def _options(req: SamplingRequest, kind: str, logprobs: int | None, max_tokens, 
         max_tokens=max_tokens,
         max_tokens_param=max_tokens_param,
         n=req.n or 1,
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 

@@ -1,6 +1,6 @@
 """Real gateway and engine subprocesses on free ports, for the end-to-end test modules.
 
-Not a test module: `test_serving`, `test_tokens_and_prefill`, `test_faults`, `test_security`, `test_hostile_input` and
+Not a test module: `test_serving`, `test_prompts_over_http`, `test_faults`, `test_security`, `test_hostile_input` and
 `test_multihost` import it (pytest puts tests/ on sys.path).
 """
 

@@ -25,8 +25,9 @@ def first_output(engine, prompt: list[int], params: SamplingParams, request_id: 
     return outs[0]
 
 
-def reference_logprobs(tiny, prompt: list[int], top: int) -> list[tuple[float, list[int]]]:
-    """(logprob of token p, the top ids) for p = 1.., each from a fresh forward over tokens 0..p-1."""
+def reference_logprobs(tiny, prompt: list[int], top: int) -> list[tuple[float, list[int], int]]:
+    """(logprob of token p, the top ids, 1 + how many logits exceed token p's) for p = 1.., each from a fresh
+    forward over tokens 0..p-1."""
     from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
     from engine.model.gguf_loader import GGUFModel
 
@@ -38,7 +39,8 @@ def reference_logprobs(tiny, prompt: list[int], top: int) -> list[tuple[float, l
         batch.add(np.array(prompt[:p], np.int32), 0, list(range(8)), 1)
         row = runner.forward(batch)[0].astype(np.float64)
         logz = row.max() + np.log(np.exp(row - row.max()).sum())
-        out.append((float(row[prompt[p]] - logz), np.argsort(-row, kind="stable")[:top].tolist()))
+        rank = 1 + sum(1 for x in row if x > row[prompt[p]])
+        out.append((float(row[prompt[p]] - logz), np.argsort(-row, kind="stable")[:top].tolist(), rank))
     return out
 
 
@@ -61,9 +63,34 @@ def test_prompt_logprobs_match_the_reference_whatever_the_chunking_and_the_cache
         first, *rest = out.prompt_logprobs
         assert (first.token_id, first.logprob) == (prompt[0], None)
         assert [e.token_id for e in rest] == prompt[1:]
-        for entry, (logprob, top) in zip(rest, want):
+        for entry, (logprob, top, _) in zip(rest, want):
             assert entry.logprob == pytest.approx(logprob, abs=1e-9)
             assert [t for t, _, _ in entry.top] == top
     assert whole.scheduler.blocks.num_cache_hits == 0  # the scored prompt took nothing from the cache
     plain = first_output(whole, prompt, SamplingParams(max_tokens=1, temperature=0.0), "d")
     assert plain.prompt_text is None and whole.scheduler.blocks.num_cache_hits > 0
+
+
+def test_vllm_prompt_logprobs_score_the_prompt_without_echo(tiny):
+    """vLLM's prompt_logprobs: the entries carry the reference's logprobs, the prompt token's rank among the row's
+    logits and the top alternatives; no echoed text; with echo and logprobs too, the larger count of alternatives."""
+    from conftest import engine_args
+
+    from engine.llm_engine import LLMEngine
+
+    prompt = [(5 * i + 11) % 700 + 20 for i in range(24)]
+    want = reference_logprobs(tiny, prompt, 4)
+    engine = LLMEngine.from_args(engine_args(model=str(tiny), max_model_len=128))
+    for request_id, params, top in (("p", SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3), 3),
+                                    ("q", SamplingParams(max_tokens=1, temperature=0.0, echo=True, logprobs=1,
+                                                         prompt_logprobs=4), 4)):
+        out = first_output(engine, prompt, params, request_id)
+        assert out.prompt_text == (engine.tokenizer.decode(prompt) if params.echo else None)
+        first, *rest = out.prompt_logprobs
+        assert (first.token_id, first.logprob, first.rank) == (prompt[0], None, 0)
+        assert [e.token_id for e in rest] == prompt[1:]
+        for entry, (logprob, ids, rank) in zip(rest, want):
+            assert entry.logprob == pytest.approx(logprob, abs=1e-9) and entry.rank == rank
+            assert [t for t, _, _ in entry.top] == ids[:top]
+    assert engine.scheduler.blocks.num_cache_hits == 0  # a scored prompt computes every position
+

@@ -87,7 +87,8 @@ class OutputState:
                 ids = np.argpartition(-row, num_top - 1)[:num_top]
                 ids = ids[np.argsort(-row[ids], kind="stable")]
                 top = [(int(i), self.tokenizer.id_to_piece(int(i)), float(row64[i] - logz)) for i in ids]
-            out.append(TokenLogprob(int(tok), self.tokenizer.id_to_piece(int(tok)), float(row64[tok] - logz), top))
+            rank = 1 + int(np.count_nonzero(row > row[tok]))
+            out.append(TokenLogprob(int(tok), self.tokenizer.id_to_piece(int(tok)), float(row64[tok] - logz), top, rank))
         return out
 
 

@@ -1,11 +1,10 @@
-"""Completions' `echo`: the prompt sent back on a request's first Output, with its tokens' logprobs.
+"""A request's prompt sent back on its first Output: completions' `echo`, and vLLM's `prompt_logprobs`.
 
-With `logprobs` set, prompt token p (p >= 1) gets the logprob the model gives it after tokens 0..p-1, with
-the top alternatives, from the raw logits of row p - 1 of the forward that computed that position (as
-an evaluation harness scores a text: OpenAI's and vLLM's `echo` with `logprobs`); token 0 gets None.
-Such a request never reuses cached prefix blocks (the scheduler skips the lookup), so every prompt
-position is computed by some forward; a preempted request that computes them again overwrites the same
-entries.
+With echo and `logprobs`, or with `prompt_logprobs`, prompt token p (p >= 1) gets the logprob the model gives it
+after tokens 0..p-1, its rank and the top alternatives, from the raw logits of row p - 1 of the forward that
+computed that position (as an evaluation harness scores a text); token 0 gets None. Such a request never reuses
+cached prefix blocks (the scheduler skips the lookup), so every prompt position is computed by some forward; a
+preempted request that computes them again overwrites the same entries.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import msgspec
 import numpy as np
 
 from engine.core.output_processor import OutputState
-from engine.core.request_input import scores_prompt
+from engine.core.request_input import prompt_top, scores_prompt
 from engine.core.sequence import Sequence
 from engine.serving.protocol import Output, TokenLogprob
 
@@ -29,7 +28,7 @@ class PromptEchoes:
         self.pending: dict[str, list[TokenLogprob | None]] = {}  # request -> an entry per prompt token
 
     def start(self, seq: Sequence) -> None:
-        if seq.params.echo:
+        if seq.params.echo or seq.params.prompt_logprobs is not None:
             first = int(seq.token_ids[0])
             self.pending[seq.request_id] = [TokenLogprob(first, self.tokenizer.id_to_piece(first), None)] + \
                 [None] * (seq.num_prompt_tokens - 1)
@@ -52,13 +51,13 @@ class PromptEchoes:
                 logits = runner.row_logits(int(batch.cu_q[i]) + np.arange(a, b))  # [b - a, vocab]
                 targets = seq.token_ids[start + 1 + a : start + 1 + b]
                 entries[start + 1 + a : start + 1 + b] = states[seq.request_id].logprobs(logits, targets,
-                                                                                         seq.params.logprobs)
+                                                                                         prompt_top(seq.params))
 
     def attach(self, seq: Sequence, out: Output) -> Output:
         """The request's first Output with the prompt added (later ones as they are)."""
         entries = self.pending.pop(seq.request_id, None)
         if entries is None:
             return out
-        text = self.tokenizer.decode(seq.token_ids[: seq.num_prompt_tokens].tolist())
+        text = self.tokenizer.decode(seq.token_ids[: seq.num_prompt_tokens].tolist()) if seq.params.echo else None
         logprobs = list(entries) if scores_prompt(seq.params) else None
         return msgspec.structs.replace(out, prompt_text=text, prompt_logprobs=logprobs)

@@ -96,8 +96,9 @@ def validate_params(p: SamplingParams, num_prompt_tokens: int, max_model_len: in
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
     if any(not 0 <= t < vocab_size for t in p.stop_token_ids):
         raise InvalidRequest("stop_token_ids must be token ids of this model's vocabulary", "stop_token_ids")
-    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(p, name) is not None and not 0 <= getattr(p, name) <= MAX_LOGPROBS:
+            raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS}", name)
     _check_processing(p, vocab_size)
     if p.num_speculative_tokens is not None and not 0 <= p.num_speculative_tokens <= 64:
         raise InvalidRequest("speculative.n_max must be between 0 and 64", "speculative")
@@ -127,7 +128,19 @@ def _check_processing(p: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequest("logit_bias values must be between -100 and 100", "logit_bias")
 
 
+def prompt_scoring_field(params: SamplingParams) -> str | None:
+    """The field that asks for the request's prompt positions to be scored (engine/core/prompt_echo.py), so that
+    every one must be computed and none taken from cached prefix blocks; None when none does."""
+    if params.prompt_logprobs is not None:
+        return "prompt_logprobs"
+    return "echo" if params.echo and params.logprobs is not None else None
+
+
 def scores_prompt(params: SamplingParams) -> bool:
-    """Whether a request's prompt positions are scored (echo with logprobs: engine/core/prompt_echo.py), so that
-    every one must be computed and none taken from cached prefix blocks."""
-    return params.echo and params.logprobs is not None
+    return prompt_scoring_field(params) is not None
+
+
+def prompt_top(params: SamplingParams) -> int:
+    """How many top alternatives each scored prompt position carries: the larger of the two asks."""
+    echo_top = params.logprobs if params.echo and params.logprobs is not None else 0
+    return max(echo_top, params.prompt_logprobs or 0)

@@ -57,6 +57,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # Completions' echo: the first Output carries the prompt's text and, with `logprobs`, each prompt token's
     # logprob (engine/core/prompt_echo.py)
     echo: bool = False
+    # vLLM's prompt_logprobs: the first Output carries each prompt token's logprob, its rank and this many top
+    # alternatives (None = off); with echo and logprobs too, the entries carry the larger count
+    prompt_logprobs: int | None = None
 
     def stop_ids(self, eos_ids) -> set[int]:
         """The tokens that end this request: its stop_token_ids, and the model's EOS ids unless ignore_eos."""
@@ -130,6 +133,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token: str
     logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
     top: list[tuple[int, str, float]] = []  # (token_id, token text, logprob)
+    rank: int = 0  # 1 + how many tokens the row scores above token_id (0: no logprob)
 
 
 class Output(msgspec.Struct, frozen=True):
@@ -152,7 +156,8 @@ class Output(msgspec.Struct, frozen=True):
     # The worker fills it in when the engine leaves it None.
     queue_time: float | None = None
     grammar_forced: list[bool] | None = None  # with provenance: which accepted drafts the grammar forced
-    # With `echo`, on a request's first Output only: the prompt as text, and with `logprobs` its tokens' logprobs
+    # On a request's first Output only: with `echo` the prompt as text; with echo and `logprobs`, or with
+    # `prompt_logprobs`, an entry per prompt token (the first one's logprob is None)
     prompt_text: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
 

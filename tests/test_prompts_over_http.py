@@ -1,5 +1,6 @@
-"""End to end over /tokenize, /detokenize and chat's continue_final_message: a real gateway and worker, the real
-model, the openai client; each reference is computed independently (the tokenizer, a plain completion)."""
+"""End to end over what a request does with its prompt: /tokenize and /detokenize, chat's continue_final_message
+and vLLM's prompt_logprobs; a real gateway and worker, the real model, the openai client. Each reference is
+computed another way (the tokenizer, a plain completion, the logprobs greedy decoding reported)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,34 @@ def test_continue_final_message_continues_a_prefilled_answer(cluster, client, mo
                                            extra_body={"continue_final_message": True, **extra})
         assert err.value.body["param"] == param, err.value.body
     assert client.chat.completions.create(model=model, messages=messages[:1], max_tokens=2).choices  # still serving
+
+
+def test_prompt_logprobs_score_the_prompt_as_generation_scored_it(client, model, tokenizer):
+    """vLLM's prompt_logprobs (not streamed): per prompt token {id: {logprob, rank, decoded_token}} for the token
+    and its top alternatives, None for the first; the tokens greedy decoding appended to a prefix get the logprobs
+    and alternatives that decoding reported, at rank 1. Chat's list sits at the top level of the response."""
+    prefix = tokenizer.encode("The capital of France is")
+    made = client.completions.create(model=model, prompt=prefix, max_tokens=6, temperature=0, logprobs=3,
+                                     extra_body={"speculant": {"provenance": True}})
+    generated = made.model_extra["speculant"]["token_ids"]
+    scored = client.completions.create(model=model, prompt=prefix + generated, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 3})
+    entries = scored.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(prefix) + len(generated) and entries[0] is None
+    assert scored.choices[0].logprobs is None and scored.usage.prompt_tokens == len(entries)
+    reported = made.choices[0].logprobs
+    for token_id, entry, logprob, top in zip(generated, entries[len(prefix):], reported.token_logprobs,
+                                             reported.top_logprobs):
+        first_key = next(iter(entry))
+        assert first_key == str(token_id) and entry[first_key]["rank"] == 1
+        assert entry[first_key]["logprob"] == pytest.approx(logprob, abs=1e-6)
+        assert {e["decoded_token"]: pytest.approx(e["logprob"], abs=1e-6) for e in entry.values()} == top
+        assert sorted(e["rank"] for e in entry.values()) == [1, 2, 3]
+    for entry, token_id in zip(entries[1:], prefix[1:]):  # each prompt token leads its own entry
+        assert next(iter(entry)) == str(token_id) and 3 <= len(entry) <= 4
+    messages = [{"role": "user", "content": "Say hello."}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                           extra_body={"prompt_logprobs": 0})
+    chat_entries = reply.model_extra["prompt_logprobs"]
+    assert len(chat_entries) == reply.usage.prompt_tokens and chat_entries[0] is None
+    assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1 for entry in chat_entries[1:])
