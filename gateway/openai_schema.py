@@ -100,11 +100,11 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None  # vLLM's extension
     bad_words: list[str] | None = None  # vLLM's extension
     prompt_logprobs: int | None = None  # vLLM's extension
+    skip_special_tokens: bool | None = None  # vLLM's extension
     # vLLM's extensions we do not implement: a value that asks for them is a 400, never silently ignored
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     logits_processors: list[Any] | None = None
-    skip_special_tokens: bool | None = None
     priority: int | None = None
     user: str | None = None
     speculative: SpeculativeOptions | None = None

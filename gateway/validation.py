@@ -128,6 +128,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         min_tokens=req.min_tokens or 0,
         allowed_token_ids=_allowed_token_ids(req.allowed_token_ids),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=req.skip_special_tokens is not False,
         bad_words=_bad_words(req.bad_words),
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
@@ -203,7 +204,7 @@ def _spec_cap(req: SamplingRequest) -> int | None:
 
 # vLLM's sampling extensions we do not implement, with their values that ask for nothing (None: absent)
 _VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)),
-                     ("logits_processors", (None, [])), ("skip_special_tokens", (None, True)), ("priority", (None, 0)))
+                     ("logits_processors", (None, [])), ("priority", (None, 0)))
 
 
 def _common_checks(req: SamplingRequest) -> None:

@@ -71,7 +71,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "prompt_logprobs": -2}, "prompt_logprobs"),
     ("chat/completions", {"messages": CHAT, "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("chat/completions", {"messages": CHAT, "length_penalty": 0.5}, "length_penalty"),
-    ("chat/completions", {"messages": CHAT, "skip_special_tokens": False}, "skip_special_tokens"),
+    ("chat/completions", {"messages": CHAT, "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("chat/completions", {"messages": CHAT, "priority": 3}, "priority"),
     ("chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
      "add_generation_prompt"),

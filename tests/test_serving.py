@@ -137,6 +137,20 @@ def test_penalties_and_logit_bias_through_the_openai_client(client, model, token
     assert max(commonest(penalized), commonest(repetition)) < commonest(plain)
 
 
+def test_skip_special_tokens_false_keeps_their_text(client, model, tokenizer):
+    """vLLM's skip_special_tokens: false keeps the text of the special tokens the model makes (forced here with
+    logit_bias), as the tokenizer decodes them with special tokens kept; by default they make no text."""
+    im_start = tokenizer.token_to_id("<|im_start|>")
+    assert tokenizer.is_special(im_start)
+    kwargs = dict(model=model, prompt="Hello", max_tokens=3, temperature=0, logit_bias={str(im_start): 100})
+    shown = client.completions.create(**kwargs, extra_body={"skip_special_tokens": False,
+                                                            "speculant": {"provenance": True}})
+    ids = shown.model_extra["speculant"]["token_ids"]
+    assert ids == [im_start] * 3
+    assert shown.choices[0].text == tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>" * 3
+    assert client.completions.create(**kwargs).choices[0].text == ""
+
+
 def test_min_tokens_and_allowed_token_ids_through_the_openai_client(client, model, tokenizer):
     """vLLM's min_tokens holds EOS back (a one-word answer runs on to at least 24 tokens; with drafting off the
     text is the same) and allowed_token_ids keeps every sampled token inside the list."""

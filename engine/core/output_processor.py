@@ -20,7 +20,8 @@ class OutputState:
 
     def __init__(self, tokenizer, seq: Sequence, max_model_len: int):
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, list(seq.token_ids[: seq.num_prompt_tokens]))
+        self.detok = IncrementalDetokenizer(tokenizer, list(seq.token_ids[: seq.num_prompt_tokens]),
+                                            skip_special_tokens=seq.params.skip_special_tokens)
         self.text = ""
         self.num_sent_chars = 0
         self.stops = [s for s in seq.params.stop if s]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens, allowed_token_ids, chat_template_kwargs,
-# include_stop_str_in_output, truncate_prompt_tokens, bad_words
+PROTOCOL_VERSION = 4  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens, allowed_token_ids, chat_template_kwargs,
+# include_stop_str_in_output, truncate_prompt_tokens, bad_words; 4: continue_final_message, prompt_logprobs,
+# skip_special_tokens (a worker that ignored them would answer another question than the one asked)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
 # chat template variables a request's chat_template_kwargs may not set: the renderer's own
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
@@ -53,6 +54,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # truncate_prompt_tokens tokens of the prompt are kept (None = all)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True  # vLLM's: False keeps special tokens' text (e.g. an ignored EOS) in the output
     bad_words: list[str] = []  # vLLM's: engine/core/logits_processing.py
     # Completions' echo: the first Output carries the prompt's text and, with `logprobs`, each prompt token's
     # logprob (engine/core/prompt_echo.py)
