@@ -101,6 +101,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None  # vLLM's extension
     prompt_logprobs: int | None = None  # vLLM's extension
     skip_special_tokens: bool | None = None  # vLLM's extension
+    add_special_tokens: bool | None = None  # vLLM's extension: false adds no BOS to a text prompt
+    return_tokens_as_token_ids: bool | None = None  # vLLM's extension: logprobs name tokens "token_id:<id>"
     # vLLM's extensions we do not implement: a value that asks for them is a 400, never silently ignored
     use_beam_search: bool | None = None
     length_penalty: float | None = None

@@ -156,9 +156,10 @@ class ResponseBuilder:
         return [None if e.logprob is None else _prompt_entry(e, k) for e in self.prompt_entries or []]
 
     def _logprobs(self, items: list[protocol.TokenLogprob], text_offset: int) -> dict:
+        named = _token_id_names if self.opts.tokens_as_ids else _token_texts
         if self.is_chat:
-            return {"content": [_chat_logprob(item) for item in items], "refusal": None}
-        return _completion_logprobs(items, text_offset)
+            return {"content": [_chat_logprob(item, named) for item in items], "refusal": None}
+        return _completion_logprobs(items, text_offset, named)
 
 
 def usage(builders: list[ResponseBuilder]) -> dict:
@@ -229,20 +230,30 @@ def token_bytes(token: str) -> list[int]:
     return list(token.encode())
 
 
-def _chat_logprob(item: protocol.TokenLogprob) -> dict:
-    top = [{"token": text, "logprob": lp, "bytes": token_bytes(text)} for _, text, lp in item.top]
-    return {"token": item.token, "logprob": item.logprob, "bytes": token_bytes(item.token), "top_logprobs": top}
+def _token_texts(token_id: int, text: str) -> str:
+    return text
 
 
-def _completion_logprobs(items: list[protocol.TokenLogprob], text_offset: int) -> dict:
+def _token_id_names(token_id: int, text: str) -> str:
+    """vLLM's return_tokens_as_token_ids: a token named by its id (bytes and text offsets stay the text's)."""
+    return f"token_id:{token_id}"
+
+
+def _chat_logprob(item: protocol.TokenLogprob, named=_token_texts) -> dict:
+    top = [{"token": named(tid, text), "logprob": lp, "bytes": token_bytes(text)} for tid, text, lp in item.top]
+    return {"token": named(item.token_id, item.token), "logprob": item.logprob, "bytes": token_bytes(item.token),
+            "top_logprobs": top}
+
+
+def _completion_logprobs(items: list[protocol.TokenLogprob], text_offset: int, named=_token_texts) -> dict:
     """Legacy completions format; `text_offset` counts characters from the start of the answer."""
     offsets = []
     for item in items:
         offsets.append(text_offset)
         text_offset += len(item.token)
     return {
-        "tokens": [item.token for item in items],
+        "tokens": [named(item.token_id, item.token) for item in items],
         "token_logprobs": [item.logprob for item in items],
-        "top_logprobs": [{text: lp for _, text, lp in item.top} for item in items],
+        "top_logprobs": [{named(tid, text): lp for tid, text, lp in item.top} for item in items],
         "text_offset": offsets,
     }

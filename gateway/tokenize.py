@@ -1,7 +1,8 @@
 """vLLM's /tokenize and /detokenize: a worker's tokenizer over the wire (the gateway holds none).
 
     POST /tokenize    {"model"?, "prompt": "text"} or {"model"?, "messages": [...], "add_generation_prompt"?,
-                       "continue_final_message"?}
+                       "continue_final_message"?}; either with "add_special_tokens"? (default true: a BOS where
+                       the model adds one)
                       -> {"count", "max_model_len", "tokens"}: the ids a completion or chat request would start from
     POST /detokenize  {"model"?, "tokens": [ids]} -> {"prompt": "text"}
 """
@@ -33,6 +34,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None  # default true; false with continue_final_message
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True  # vLLM's: false adds no BOS
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -51,6 +53,7 @@ async def tokenize(request: web.Request) -> web.Response:
     fields = {"prompt": req.prompt} if req.prompt is not None else {
         "messages": _messages(req), **prompt_ending(req.add_generation_prompt, req.continue_final_message),
         "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}
+    fields["add_special_tokens"] = req.add_special_tokens
     answer, worker = await _ask(request.app[ENGINE], req.model, lambda rid: protocol.Tokenize(rid, **fields))
     return web.json_response({"count": len(answer.token_ids), "max_model_len": worker.max_model_len,
                               "tokens": answer.token_ids})

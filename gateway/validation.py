@@ -57,6 +57,7 @@ class RequestOptions:
     echo: bool = False  # completions: the answer starts with the prompt (and its tokens' logprobs)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine still makes one token, unsent)
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and this many alternatives
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
 @dataclasses.dataclass(slots=True)
@@ -250,6 +251,7 @@ def _options(req: SamplingRequest, kind: str, logprobs: int | None, max_tokens, 
         max_tokens_param=max_tokens_param,
         n=req.n or 1,
         prompt_logprobs=req.prompt_logprobs,
+        tokens_as_ids=bool(req.return_tokens_as_token_ids),
     )
 
 
@@ -263,9 +265,14 @@ def validate_completion(req: CompletionRequest) -> Validated:
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
     opts = _options(req, "completion", req.logprobs, max_tokens, "max_tokens")
     opts.echo, opts.echo_only = bool(req.echo), bool(req.echo) and req.max_tokens == 0
-    fields = _prompt_fields(req.prompt)
+    fields = _with_special_tokens(_prompt_fields(req.prompt), req.add_special_tokens)
     params = msgspec.structs.replace(sampling_params(req, opts), echo=opts.echo)
     return Validated(fields, opts, params)
+
+
+def _with_special_tokens(fields: list[dict], add: bool | None) -> list[dict]:
+    """vLLM's add_special_tokens: false asks the worker to add no BOS to the prompt (None, true: as the model does)."""
+    return fields if add is not False else [{**f, "add_special_tokens": False} for f in fields]
 
 
 def _prompt_fields(prompt) -> list[dict]:
@@ -301,9 +308,10 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     max_tokens, param = (mct, "max_completion_tokens") if mct is not None else (req.max_tokens, "max_tokens")
     opts = _options(req, "chat", logprobs, max_tokens, param)
     opts.tool_names = plan.names if plan.active else ()
-    fields = [{"messages": _messages(req), "tools_json": plan.tools_json(),
-               **prompt_ending(req.add_generation_prompt, req.continue_final_message),
-               "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}]
+    fields = _with_special_tokens([{"messages": _messages(req), "tools_json": plan.tools_json(),
+                                    **prompt_ending(req.add_generation_prompt, req.continue_final_message),
+                                    "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}],
+                                  req.add_special_tokens)
     return Validated(fields, opts, sampling_params(req, opts, lambda r: tool_grammar(r, plan)))
 
 

@@ -77,6 +77,24 @@ def test_completion_logprobs_offsets_run_over_the_whole_answer():
     assert whole.choices[0].logprobs.text_offset == [0, 2, 8]
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id():
+    """vLLM's return_tokens_as_token_ids: tokens and alternatives are "token_id:<id>" in both formats; the chat
+    bytes and the completion text offsets stay those of the tokens' text."""
+    chat = builder(b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 2,'
+                   b' "return_tokens_as_token_ids": true}', "chat")
+    completion = builder(b'{"prompt": "x", "logprobs": 2, "return_tokens_as_token_ids": true}', "completion")
+    for b in (chat, completion):
+        for out in outputs():
+            b.add(out)
+    content = ChatCompletion.model_validate(response([chat])).choices[0].logprobs.content
+    assert [t.token for t in content] == ["token_id:5", "token_id:6", "token_id:9"]
+    assert [t.token for t in content[1].top_logprobs] == ["token_id:5", "token_id:6"]
+    assert content[1].bytes == list(b" there") and content[1].top_logprobs[1].bytes == list(b" there")
+    lp = Completion.model_validate(response([completion])).choices[0].logprobs
+    assert lp.tokens == ["token_id:5", "token_id:6", "token_id:9"] and lp.text_offset == [0, 2, 8]
+    assert lp.top_logprobs[0] == {"token_id:5": -0.1, "token_id:6": -2.3}
+
+
 def test_token_bytes_of_partial_characters():
     assert token_bytes("bytes:\\xe2\\x80") == [0xE2, 0x80]
     assert token_bytes("é") == [0xC3, 0xA9]
@@ -144,3 +162,15 @@ def test_spec_counters_follow_worker_totals():
     assert get("speculant:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "0"}) == 5
     metrics.forget_worker("m", "w")
     assert get("speculant:num_requests_running", labels) is None
+
+
+@pytest.mark.parametrize("kind, body", [("completion", b'{"prompt": ["a", [5, 6]]'),
+                                        ("chat", b'{"messages": [{"role": "user", "content": "hi"}]')])
+def test_add_special_tokens_reaches_every_prompt_of_the_engine_request(kind, body):
+    """vLLM's add_special_tokens: false travels in each Generate (true or absent: the model's default)."""
+    decode, validate = (decode_chat, validate_chat) if kind == "chat" else (decode_completion, validate_completion)
+    for extra, want in ((b"}", True), (b', "add_special_tokens": true}', True),
+                        (b', "add_special_tokens": false}', False)):
+        validated = validate(decode(body + extra))
+        generates = [build_generate(f"r{i}", validated.choice(i), 64) for i in range(validated.num_choices)]
+        assert [g.add_special_tokens for g in generates] == [want] * validated.num_choices

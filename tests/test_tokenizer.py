@@ -112,7 +112,7 @@ TINY_MERGES = ["Ġ Ġ", "Ġ 1", "h i"]
 TINY_TOKENS = TINY_SPECIALS + BYTE_CHARS + ["ĠĠ", "Ġ1", "hi", "hid"]  # no merge makes "hid"
 
 
-def _write_tiny_gguf(path: pathlib.Path, *, model="gpt2", pre="gpt2", template=None) -> pathlib.Path:
+def _write_tiny_gguf(path: pathlib.Path, *, model="gpt2", pre="gpt2", template=None, add_bos=None) -> pathlib.Path:
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
@@ -121,6 +121,8 @@ def _write_tiny_gguf(path: pathlib.Path, *, model="gpt2", pre="gpt2", template=N
     writer.add_token_merges(TINY_MERGES)
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     if template is not None:
         writer.add_chat_template(template)
     writer.write_header_to_file()
@@ -279,3 +281,18 @@ def test_a_conversation_the_template_refuses_is_an_invalid_request_naming_messag
         prompt_token_ids(Generate("r", SamplingParams(), messages=empty, add_generation_prompt=False,
                                   continue_final_message=True), gemma)
     assert err.value.param == "messages"
+
+
+def test_add_special_tokens_false_adds_no_bos(tmp_path):
+    """vLLM's add_special_tokens: a model whose file asks for a BOS gets one before a text prompt, unless the
+    request says false (Generate and /tokenize alike); token-id prompts are kept as sent."""
+    from engine.core.request_input import prompt_token_ids, tokens_reply
+    from engine.serving.protocol import Generate, SamplingParams, Tokenize
+
+    tok = Tokenizer.from_gguf(_write_tiny_gguf(tmp_path / "bos.gguf", add_bos=True))
+    hi = TINY_TOKENS.index("hi")
+    assert prompt_token_ids(Generate("a", SamplingParams(), prompt="hi"), tok) == [0, hi]
+    assert prompt_token_ids(Generate("b", SamplingParams(), prompt="hi", add_special_tokens=False), tok) == [hi]
+    assert tokens_reply(Tokenize("c", prompt="hi", add_special_tokens=False), tok).token_ids == [hi]
+    kept = Generate("d", SamplingParams(), prompt_token_ids=[hi], add_special_tokens=True)
+    assert prompt_token_ids(kept, tok) == [hi]

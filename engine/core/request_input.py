@@ -32,7 +32,7 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
                                                  **kwargs, **context)
         except ValueError as exc:  # the template refused the conversation (raise_exception), or nothing to continue
             raise InvalidRequest(str(exc).removeprefix("messages: "), "messages") from exc
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(text, msg.add_special_tokens)
         param = "messages"
     elif msg.prompt_token_ids is not None:
         ids = list(msg.prompt_token_ids)
@@ -41,7 +41,7 @@ def prompt_token_ids(msg: Generate, tokenizer) -> list[int]:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary (0..{tokenizer.vocab_size - 1})", "prompt")
         param = "prompt"
     elif msg.prompt is not None:
-        ids = tokenizer.encode(msg.prompt)
+        ids = tokenizer.encode(msg.prompt, msg.add_special_tokens)
         param = "prompt"
     else:
         raise InvalidRequest("either prompt or messages is required", "prompt")
@@ -68,7 +68,7 @@ def tokens_reply(msg: Tokenize | Detokenize, tokenizer) -> Tokens:
             raise InvalidRequest("tokens must be token ids of this model's vocabulary", "tokens")
         return Tokens(msg.request_id, text=tokenizer.decode(msg.token_ids))
     fields = {f: getattr(msg, f) for f in ("prompt", "messages", "tools_json", "add_generation_prompt",
-                                           "chat_template_kwargs_json", "continue_final_message")}
+                                           "chat_template_kwargs_json", "continue_final_message", "add_special_tokens")}
     ids = prompt_token_ids(Generate(msg.request_id, SamplingParams(), **fields), tokenizer)
     return Tokens(msg.request_id, token_ids=[int(t) for t in ids])
 

@@ -192,14 +192,14 @@ class Tokenizer:
 
     # -- text <-> ids -------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; control-token markup in the text becomes single ids, and a BOS
-        goes first if the file asks for one (`tokenizer.ggml.add_bos_token`)."""
+        goes first if the file asks for one (`tokenizer.ggml.add_bos_token`) and add_special_tokens."""
         if not isinstance(text, str):
             raise ValueError(f"text: expected a string, got {type(text).__name__}")
         ids = self._backend.encode(text, add_special_tokens=False).ids
         # A chat template that writes the BOS itself (Gemma's does) must not get a second one.
-        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 

@@ -13,7 +13,7 @@ import msgspec
 
 PROTOCOL_VERSION = 4  # 2: Tokenize, Detokenize and Tokens; 3: min_tokens, allowed_token_ids, chat_template_kwargs,
 # include_stop_str_in_output, truncate_prompt_tokens, bad_words; 4: continue_final_message, prompt_logprobs,
-# skip_special_tokens (a worker that ignored them would answer another question than the one asked)
+# skip_special_tokens, add_special_tokens (a worker that ignored them would answer another question than the one asked)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"  # gateway binds, workers connect ($SPECULANT_ENGINE_ENDPOINT)
 # chat template variables a request's chat_template_kwargs may not set: the renderer's own
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
@@ -92,6 +92,7 @@ class Generate(msgspec.Struct, tag="generate", frozen=True):
     # chat: vLLM's chat_template_kwargs (a JSON object's text): extra variables the chat template sees
     chat_template_kwargs_json: str | None = None
     continue_final_message: bool = False  # chat: the prompt ends inside the final message (a prefilled answer)
+    add_special_tokens: bool = True  # vLLM's: False adds no BOS to a text prompt (token ids are kept as sent)
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
@@ -115,6 +116,7 @@ class Tokenize(msgspec.Struct, tag="tokenize", frozen=True):
     add_generation_prompt: bool = True
     chat_template_kwargs_json: str | None = None
     continue_final_message: bool = False
+    add_special_tokens: bool = True
 
 
 class Detokenize(msgspec.Struct, tag="detokenize", frozen=True):
