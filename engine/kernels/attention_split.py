@@ -82,16 +82,16 @@ def _group_scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, rows,
 def _group_values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, rows, d0, d1):
     """_values with `rows` as a literal (1, 2, 4 or 8), asking for the V blocks ahead."""
     if rows == 1:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, np.bool_(False), d0, d1,
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, d0, d1,
                 np.int64(VALUE_BLOCKS_AHEAD))
     elif rows == 2:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 2, np.bool_(False), d0, d1,
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 2, d0, d1,
                 np.int64(VALUE_BLOCKS_AHEAD))
     elif rows == 4:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 4, np.bool_(False), d0, d1,
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 4, d0, d1,
                 np.int64(VALUE_BLOCKS_AHEAD))
     else:
-        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 8, np.bool_(False), d0, d1,
+        _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 8, d0, d1,
                 np.int64(VALUE_BLOCKS_AHEAD))
 
 

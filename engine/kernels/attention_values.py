@@ -21,7 +21,6 @@ from engine.kernels.simd import (
     f32_mul,
     f32_splat,
     f32_zero,
-    load_rows,
     row_f32,
     store_rows,
     tok_f32,
@@ -46,10 +45,10 @@ QUAD_ROWS = 4 if WIDE else 0
 
 
 @nb.njit(cache=True)
-def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, d0, d1, ahead):
-    """out rows += sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key], times the
+def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, d0, d1, ahead):
+    """out rows = sum over keys k0..k1-1, in order, of p * v (p = scores[s0 + r * ld + key], times the
     key's scale of these dims in an int8 cache), for dims d0..d1-1 (multiples of 32 where hd is, else of
-    16); resume=False starts the sums from zero. Each pass over the keys carries 64, 32 or 16 dims (see
+    16). Each pass over the keys carries 64, 32 or 16 dims (see
     the module docstring); each dim's sum is its own. ahead > 0: a pass over whole rows asks for the
     V block that many blocks on (kv_prefetch; the tiles pass 0)."""
     nb.literally(rows)
@@ -57,19 +56,19 @@ def _values(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, 
     c = np.int64(d0)  # a run-time value: one build of each pass for the tiles' d0 = 0 and later dims (attention_vec)
     if rows <= QUAD_ROWS and hd % 32 == 0:
         while d1 - c >= 64:
-            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 64, ahead)
+            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, c, 64, ahead)
             c += 64
     if hd % 32 == 0 and rows <= PAIRED_ROWS_FLOAT:
         while c < d1:
-            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 32, ahead)
+            _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, c, 32, ahead)
             c += 32
     while c < d1:
-        _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, 16, ahead)
+        _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, c, 16, ahead)
         c += 16
 
 
 @nb.njit(cache=True)
-def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, resume, c, width, ahead):
+def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostride, rows, c, width, ahead):
     """_values for dims c..c+width-1 in one pass over the keys (rows and width literal: 16, 32 or 64; in an
     int8 cache each 32 dims have their own scale, so a 64-dim pass weighs each half by its own)."""
     wide_registers()
@@ -77,10 +76,10 @@ def _value_sums(v_cache, v_scale, table, kvh, k0, k1, scores, s0, out, o0, ostri
     nb.literally(width)
     num_blocks, bs, hd = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
     ld = scores.shape[1]
-    a0 = load_rows(out, o0 + c, ostride, rows) if resume else f32_zero(rows)
-    a1 = load_rows(out, o0 + c + 16, ostride, rows) if resume and width >= 32 else f32_zero(rows)
-    a2 = load_rows(out, o0 + c + 32, ostride, rows) if resume and width == 64 else f32_zero(rows)
-    a3 = load_rows(out, o0 + c + 48, ostride, rows) if resume and width == 64 else f32_zero(rows)
+    a0 = f32_zero(rows)
+    a1 = f32_zero(rows)
+    a2 = f32_zero(rows)
+    a3 = f32_zero(rows)
     last = (k1 + bs - 1) // bs - 1
     for i in range(k0 // bs, last + 1):
         if width == 64 and ahead and i + ahead <= last:  # whole rows: the block's lines are one run

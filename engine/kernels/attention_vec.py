@@ -19,8 +19,8 @@ multiply-adds over head_dim (int8: over each 32 dims, then fused into the score 
 in 16-lane partial sums over its keys (16-key chunks aligned to key 0, so they depend on the
 query's own lo only), folded by a fixed tree; each output element is a sequential fused sum over
 keys in order (int8: each weight times the key's scale of those dims first), times 1 / sum.
-In a tile, a row with a later lo gets exact zero weights for the keys before it (adding +-0
-changes no sum), and rows with more keys continue their sums alone over the extra keys. So a
+In a tile, a row gets exact zero weights for the keys it does not see (before its lo, after its last key:
+adding +-0 changes no sum), so every row's sums run over the tile's whole key range in one pass. So a
 query's output depends only on its q and its request's keys: not on the batch, the tile, or how
 its prompt was chunked.
 
@@ -227,15 +227,15 @@ def _tile(qkv, k_cache, v_cache, k_scale, v_scale, table, q0, qstride, o0, ostri
     for r in range(rows):
         n = _row_keys(keys0, inc, phase, period, r)
         lo = first_key(n, window)
-        inv[r] = _softmax(scores, r, lo, n, scale)
+        inv[r] = _softmax(scores, r, lo, n, scale)  # zero in n's 16-key chunk past n
         for j in range(lo0, lo - lo % 16):  # keys the tile's first row sees and this row does not
             scores[r, j] = np.float32(0.0)
-    _values(v_cache, v_scale, table, kvh, lo0, k_min, scores, 0, out, o0, ostride, rows, False, 0, hd, 0)
-    for r in range(rows):  # the later tokens' extra keys, each row alone
-        n = _row_keys(keys0, inc, phase, period, r)
-        if n > k_min:
-            _values(v_cache, v_scale, table, kvh, k_min, n, scores, r * scores.shape[1], out, o0 + r * ostride, ostride,
-                    1, True, 0, hd, 0)
+        for j in range((n + 15) // 16 * 16, k_max):  # keys a later row sees and this row does not
+            scores[r, j] = np.float32(0.0)
+    # every row over keys lo0 .. k_max - 1 in one pass, the keys a row does not see at exact zero weight, instead of
+    # a pass to k_min and each later row's extra keys alone. Same bits; a tile of 8 rows alone 0.91x at 300 keys and
+    # 0.74x at 40; 30 layers' attention (fp16 K/V) at 300 keys, a verify of 8 / 4 0.96x / 0.94x (Xeon, journal)
+    _values(v_cache, v_scale, table, kvh, lo0, k_max, scores, 0, out, o0, ostride, rows, 0, hd, 0)
     for r in range(rows):
         for c in range(0, hd, 16):
             store_rows(out, o0 + r * ostride + c, 0, f32_mul(load_rows(out, o0 + r * ostride + c, 0, 1), f32_splat(inv[r], 1)), 16)
