@@ -89,7 +89,8 @@ class OutputState:
                 ids = ids[np.argsort(-row[ids], kind="stable")]
                 top = [(int(i), self.tokenizer.id_to_piece(int(i)), float(row64[i] - logz)) for i in ids]
             rank = 1 + int(np.count_nonzero(row > row[tok]))
-            out.append(TokenLogprob(int(tok), self.tokenizer.id_to_piece(int(tok)), float(row64[tok] - logz), top, rank))
+            piece = self.tokenizer.id_to_piece(int(tok))
+            out.append(TokenLogprob(int(tok), piece, float(row64[tok] - logz), top, rank))
         return out
 
 
