@@ -22,6 +22,24 @@ def tokenizer(model_path: pathlib.Path) -> Tokenizer:
     return Tokenizer.from_gguf(model_path)
 
 
+# ---------------------------------------------------------------- a module's HTTP cluster (its own `cluster` fixture)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    """The openai client on the module's gateway (tests/servers.py `Cluster`)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The name the module's gateway serves."""
+    (entry,) = client.models.list().data
+    return entry.id
+
+
 # ---------------------------------------------------------------- engines (real model, loaded once per session)
 
 

@@ -17,17 +17,6 @@ def cluster(tmp_path_factory, model_path):
         yield c
 
 
-@pytest.fixture(scope="module")
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    (entry,) = client.models.list().data
-    return entry.id
-
-
 def test_tokenize_and_detokenize(cluster, client, model, tokenizer):
     """vLLM's /tokenize and /detokenize, answered by a worker's tokenizer: a text's ids, a chat's ids as its
     completion counts them, the text back from ids, and 400s naming the field for bad bodies."""

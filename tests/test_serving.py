@@ -30,17 +30,6 @@ def cluster(tmp_path_factory, model_path):
         yield c
 
 
-@pytest.fixture(scope="session")
-def client(cluster):
-    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="session")
-def model(client):
-    (entry,) = client.models.list().data
-    return entry.id
-
-
 def test_retrieve_a_model_as_the_openai_client_does(client, model):
     entry = client.models.retrieve(model)
     assert (entry.id, entry.object, entry.owned_by) == (model, "model", "speculant")
