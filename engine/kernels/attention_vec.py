@@ -27,8 +27,8 @@ its prompt was chunked.
 Builds: Numba types a constant argument of a call between jitted functions as a literal, and builds the
 callee once per literal value. `rows` and the values pass's `width` are literals by design (they fix the
 registers), and so are the tiles' zero offsets and prefetch distance (literal zeros keep a tile of 8's
-loops as tight as they were: as run-time values they cost it 3-13%). The rest goes as np.int64 /
-np.bool_: the tiles' token arithmetic (inc, phase, period) and the values passes' first dim. That is 45
+loops as tight as they were: as run-time values they cost it 3-13%). The rest goes as np.int64: the
+tiles' token arithmetic (inc, phase, period) and the values passes' first dim. That is 45
 builds of _scores, _values, _value_sums, _tile and _tiles where there were 62 (49 while a tile still summed its
 later rows' extra keys in passes of their own).
 """
