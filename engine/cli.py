@@ -29,6 +29,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("max-num-batched-tokens", 512),
                    help="token budget of one engine step")
     p.add_argument("--threads", type=int, default=_env("threads", 0), help="compute threads (0 = all cores)")
+    p.add_argument("--scheduling-policy", default=_env("scheduling-policy", "fcfs"), choices=["fcfs", "priority"],
+                   help="fcfs: requests in arrival order; priority: by the request's `priority` (lower first), then "
+                        "arrival (as vLLM's)")
     p.add_argument("--numerics", default=_env("numerics", "int8"), choices=["int8", "exact"],
                    help="cpu: int8 = integer weight products on int8-quantized activations (fast); "
                         "exact = strict float32 (matches transformers to 1e-3)")

@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 
 from engine.core.block_manager import BlockManager
+from engine.core.scheduler import Scheduler
 from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.model.gguf_loader import GGUFModel
 from engine.model.model_files import resolve_model
 from engine.model.runner_api import ModelRunner
-from engine.core.scheduler import Scheduler
-from engine.spec_decode.spec_control import DraftController
 from engine.model.tokenizer import Tokenizer
+from engine.spec_decode.spec_control import DraftController
 
 log = logging.getLogger("speculant.engine")
 
@@ -126,7 +126,8 @@ def build_engine_parts(args) -> EngineParts:
     runner = make_runner(model, cache, args)
     cache = runner.cache  # a GPU runner sizes num_blocks from free device memory
     blocks = BlockManager(cache.num_blocks, cache.block_size)
-    scheduler = Scheduler(blocks, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len)
+    scheduler = Scheduler(blocks, cache.max_num_seqs, cache.max_num_batched_tokens, cache.max_model_len,
+                          getattr(args, "scheduling_policy", "fcfs"))
     if spec is not None:
         bind_proposer(proposer, model, runner, cache)
         max_k = spec.num_speculative_tokens

@@ -74,6 +74,9 @@ class LLMEngine:
         self.proposers.get(msg.params.speculative_method)  # an unknown method is refused before anything starts
         ids = prompt_token_ids(msg, self.tokenizer)
         validate_params(msg.params, len(ids), self.max_model_len, self.tokenizer.vocab_size)
+        if msg.params.priority != 0 and self.scheduler.policy != "priority":
+            raise InvalidRequest(f"priority {msg.params.priority}: this server schedules first come, first served "
+                                 "(start its engine with --scheduling-policy priority)", "priority")
         processing = processing_field(msg.params) or prompt_scoring_field(msg.params)
         if processing and not self.runner.supports_grammars:
             raise InvalidRequest(f"{processing}: penalties, logit_bias, min_p, min_tokens, allowed_token_ids, "

@@ -103,11 +103,11 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None  # vLLM's extension
     add_special_tokens: bool | None = None  # vLLM's extension: false adds no BOS to a text prompt
     return_tokens_as_token_ids: bool | None = None  # vLLM's extension: logprobs name tokens "token_id:<id>"
+    priority: int | None = None  # vLLM's extension: lower first, on an engine with --scheduling-policy priority
     # vLLM's extensions we do not implement: a value that asks for them is a 400, never silently ignored
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     logits_processors: list[Any] | None = None
-    priority: int | None = None
     user: str | None = None
     speculative: SpeculativeOptions | None = None
     speculative_n_max: int | None = msgspec.field(name="speculative.n_max", default=None)

@@ -103,6 +103,8 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
     top_k = 0 if req.top_k is None else req.top_k
     _require(-1 <= top_k <= MAX_TOKEN_ID, "top_k", "top_k must be -1 (off), 0 (off) or a positive integer")
     _require(req.seed is None or 0 <= req.seed < 2**63, "seed", "seed must be an integer in [0, 2**63)")
+    _require(req.priority is None or -MAX_PRIORITY <= req.priority <= MAX_PRIORITY, "priority",
+             f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
     _require(req.truncate_prompt_tokens is None or 1 <= req.truncate_prompt_tokens <= MAX_TOKEN_ID,
              "truncate_prompt_tokens", "truncate_prompt_tokens must be a positive number of tokens")
     _require(req.min_tokens is None or 0 <= req.min_tokens <= (opts.max_tokens or MAX_TOKEN_ID), "min_tokens",
@@ -132,6 +134,7 @@ def sampling_params(req: SamplingRequest, opts: RequestOptions,
         skip_special_tokens=req.skip_special_tokens is not False,
         bad_words=_bad_words(req.bad_words),
         truncate_prompt_tokens=req.truncate_prompt_tokens,
+        priority=req.priority or 0,
         grammar=grammar_of(req),  # last: a first-seen schema is the costliest check
     )
 
@@ -205,7 +208,8 @@ def _spec_cap(req: SamplingRequest) -> int | None:
 
 # vLLM's sampling extensions we do not implement, with their values that ask for nothing (None: absent)
 _VLLM_UNSUPPORTED = (("use_beam_search", (None, False)), ("length_penalty", (None, 1.0)),
-                     ("logits_processors", (None, [])), ("priority", (None, 0)))
+                     ("logits_processors", (None, [])))
+MAX_PRIORITY = 2**31 - 1  # |priority|
 
 
 def _common_checks(req: SamplingRequest) -> None:

@@ -96,3 +96,15 @@ def test_prompt_logprobs_score_the_prompt_as_generation_scored_it(client, model,
     chat_entries = reply.model_extra["prompt_logprobs"]
     assert len(chat_entries) == reply.usage.prompt_tokens and chat_entries[0] is None
     assert all(len(entry) == 1 and next(iter(entry.values()))["rank"] >= 1 for entry in chat_entries[1:])
+
+
+def test_priority_reaches_the_engine_which_schedules_first_come_first_served(cluster, client, model):
+    """vLLM's priority crosses the wire: this worker runs the default fcfs policy and refuses any other value than 0
+    with a 400 naming `priority` (streamed or not); 0 is served. The ordering itself: test_scheduling_policy."""
+    for stream in (False, True):
+        status, error, _ = http(f"{cluster.url}/v1/completions",
+                                {"model": model, "prompt": "Hi", "max_tokens": 2, "priority": 1, "stream": stream})
+        assert (status, error["error"]["param"]) == (400, "priority"), error
+        assert "--scheduling-policy priority" in error["error"]["message"]
+    reply = client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 0})
+    assert reply.choices[0].finish_reason == "length"

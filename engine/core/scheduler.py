@@ -5,10 +5,17 @@ slot plus room for up to K draft tokens. Waiting requests are admitted while KV
 blocks, sequence slots and token budget allow; a running request that cannot grow
 preempts the most recently admitted one (recompute: its cache is dropped and it
 re-enters the waiting queue at the front with its output kept).
+
+Policies, as vLLM's `--scheduling-policy`: `fcfs` orders both queues by arrival. `priority` orders
+them by (request priority, arrival), lower first: a request is admitted before every waiting
+request of a higher value, gets its step's budget before running ones of a higher value, and the
+victim of a preemption is the running request with the highest value (the latest among equals).
+A running request is never preempted to admit a waiting one: priority decides who goes next.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,18 +41,33 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
 
+POLICIES = ("fcfs", "priority")
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """The priority policy's order: lower priority values first, then arrival."""
+    return seq.params.priority, seq.arrival
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.policy = policy
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in the order they get the step's budget; the last is the next victim
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.policy == "priority":
+            bisect.insort(self.waiting, seq, key=_rank)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,7 +122,10 @@ class Scheduler:
                 break  # wait for blocks to free up (cached prefix blocks stay referenced meanwhile)
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            self.running.append(seq)
+            if self.policy == "priority":
+                bisect.insort(self.running, seq, key=_rank)
+            else:
+                self.running.append(seq)
             out.scheduled.append(item)
             budget -= item.num_new_tokens + item.max_draft_tokens
 
@@ -111,6 +136,9 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_hash = 0
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":  # ahead of every later arrival of its priority
+            bisect.insort(self.waiting, seq, key=_rank)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)

@@ -62,6 +62,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     # vLLM's prompt_logprobs: the first Output carries each prompt token's logprob, its rank and this many top
     # alternatives (None = off); with echo and logprobs too, the entries carry the larger count
     prompt_logprobs: int | None = None
+    # vLLM's priority: on an engine started with --scheduling-policy priority, lower values are admitted first and
+    # preempted last (ties: arrival order); an fcfs engine refuses anything but 0
+    priority: int = 0
 
     def stop_ids(self, eos_ids) -> set[int]:
         """The tokens that end this request: its stop_token_ids, and the model's EOS ids unless ignore_eos."""
