@@ -105,7 +105,8 @@ async def _write_chunks(response, choices, firsts) -> None:
     async def pump(stream: RequestStream, builder: ResponseBuilder, out) -> None:
         try:
             if builder.is_chat:
-                queue.put_nowait(builder.role_chunk())
+                for chunk in builder.opening_chunks():
+                    queue.put_nowait(chunk)
             while True:
                 for chunk in builder.chunks(out):
                     queue.put_nowait(chunk)

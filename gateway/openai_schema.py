@@ -199,6 +199,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
     continue_final_message: bool | None = None  # vLLM's: the model continues the final message (validation.prompt_ending)
+    echo: bool | None = None  # vLLM's: the answer starts with the final message's text, if it is the answer's role
     tools: list[ToolDef] | None = None
     # "none" | "auto" (the default with tools) | "required" | NamedToolChoice; required and named
     # choices constrain the answer to exactly one call (see gateway.tool_grammar).

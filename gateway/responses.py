@@ -46,10 +46,14 @@ class ResponseBuilder:
         return {"id": self.request_id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": choices}
 
-    def role_chunk(self) -> dict:
-        """Chat streams open with the assistant role and empty content, as OpenAI and vLLM do."""
+    def opening_chunks(self) -> list[dict]:
+        """Chat streams open with the assistant role and empty content, as OpenAI and vLLM do; with vLLM's echo,
+        the echoed message's text follows in a chunk of its own."""
         delta = {"role": "assistant", "content": ""}
-        return self._chunk([{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        chunks = [self._chunk([{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}])]
+        if self.opts.echo_text:
+            chunks.append(self._delta_chunk({"content": self.opts.echo_text}))
+        return chunks
 
     def chunks(self, out: protocol.Output) -> list[dict]:
         """The chunks for one engine output (none when it carries nothing to show).
@@ -131,12 +135,14 @@ class ResponseBuilder:
         finish_reason = self.finish_reason
         if self.tool_names:
             content, calls = tool_calls.parse_tool_calls(text, self.tool_names)
+            if self.opts.echo_text:
+                content = self.opts.echo_text + (content or "")
             choice = {"index": self.index, "message": {"role": "assistant", "content": content}}
             if calls:
                 choice["message"]["tool_calls"] = calls
             finish_reason = tool_calls.finish_reason(finish_reason, calls)
         elif self.is_chat:
-            choice = {"index": self.index, "message": {"role": "assistant", "content": text}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": self.opts.echo_text + text}}
         else:
             choice = {"index": self.index, "text": text}
         choice["logprobs"] = logprobs

@@ -56,6 +56,7 @@ class RequestOptions:
     n: int = 1  # choices: one engine request each
     echo: bool = False  # completions: the answer starts with the prompt (and its tokens' logprobs)
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (the engine still makes one token, unsent)
+    echo_text: str = ""  # chat's echo: the final message's text, shown before the answer
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and this many alternatives
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
@@ -226,7 +227,7 @@ def _common_checks(req: SamplingRequest) -> None:
     _require(bool(req.stream) or req.stream_options is None, "stream_options",
              "stream_options can only be set when stream is true")
     _prompt_logprobs_checks(req)
-    echo_only = getattr(req, "echo", False) and req.max_tokens == 0  # completions: score the prompt alone
+    echo_only = isinstance(req, CompletionRequest) and bool(req.echo) and req.max_tokens == 0  # the prompt alone
     _require(req.max_tokens is None or req.max_tokens >= 1 or echo_only, "max_tokens",
              "max_tokens must be at least 1 (0 only with echo)")
 
@@ -312,11 +313,18 @@ def validate_chat(req: ChatCompletionRequest) -> Validated:
     max_tokens, param = (mct, "max_completion_tokens") if mct is not None else (req.max_tokens, "max_tokens")
     opts = _options(req, "chat", logprobs, max_tokens, param)
     opts.tool_names = plan.names if plan.active else ()
-    fields = _with_special_tokens([{"messages": _messages(req), "tools_json": plan.tools_json(),
-                                    **prompt_ending(req.add_generation_prompt, req.continue_final_message),
+    messages, ending = _messages(req), prompt_ending(req.add_generation_prompt, req.continue_final_message)
+    opts.echo_text = _chat_echo(req.echo, messages[-1], ending["add_generation_prompt"])
+    fields = _with_special_tokens([{"messages": messages, "tools_json": plan.tools_json(), **ending,
                                     "chat_template_kwargs_json": template_kwargs_json(req.chat_template_kwargs)}],
                                   req.add_special_tokens)
     return Validated(fields, opts, sampling_params(req, opts, lambda r: tool_grammar(r, plan)))
+
+
+def _chat_echo(echo: bool | None, final: protocol.ChatMessage, opens_a_turn: bool) -> str:
+    """vLLM's chat echo: the final message's text starts the answer when it is in the answer's role (an assistant
+    message, or any message the prompt leaves open, as continue_final_message does); else nothing."""
+    return final.content if echo and (final.role == "assistant" or not opens_a_turn) else ""
 
 
 def prompt_ending(add_generation_prompt: bool | None, continue_final_message: bool | None) -> dict:

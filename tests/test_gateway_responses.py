@@ -37,7 +37,7 @@ def builder(body: bytes, kind: str) -> ResponseBuilder:
 def test_chat_stream_chunks_parse_as_openai_chunks():
     b = builder(b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "logprobs": true,'
                 b' "top_logprobs": 2, "stream_options": {"include_usage": true}}', "chat")
-    role = ChatCompletionChunk.model_validate(b.role_chunk())
+    (role,) = [ChatCompletionChunk.model_validate(c) for c in b.opening_chunks()]
     assert role.choices[0].delta.role == "assistant" and role.choices[0].finish_reason is None
     chunks = [ChatCompletionChunk.model_validate(b.chunk(out)) for out in outputs()]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello there!"

@@ -88,7 +88,7 @@ def test_response_without_calls_or_cut_short():
 
 def stream(text: str, finish_reason: str = "stop", pieces: int = 3) -> list[ChatCompletionChunk]:
     b = builder(True)
-    raw = [b.role_chunk()] + [c for out in outputs(text, finish_reason, pieces) for c in b.chunks(out)]
+    raw = b.opening_chunks() + [c for out in outputs(text, finish_reason, pieces) for c in b.chunks(out)]
     return [ChatCompletionChunk.model_validate(c) for c in raw]
 
 

@@ -74,6 +74,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": CHAT, "skip_special_tokens": "no"}, "skip_special_tokens"),
     ("chat/completions", {"messages": CHAT, "priority": 2**31}, "priority"),
     ("completions", {"prompt": "a", "priority": "high"}, "priority"),
+    ("chat/completions", {"messages": CHAT, "echo": "yes"}, "echo"),
+    ("chat/completions", {"messages": CHAT, "echo": True, "max_tokens": 0}, "max_tokens"),
     ("chat/completions", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
      "add_generation_prompt"),
     ("chat/completions", {"messages": CHAT, "continue_final_message": "yes"}, "continue_final_message"),

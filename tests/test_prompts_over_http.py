@@ -108,3 +108,26 @@ def test_priority_reaches_the_engine_which_schedules_first_come_first_served(clu
         assert "--scheduling-policy priority" in error["error"]["message"]
     reply = client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"priority": 0})
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_chat_echo_starts_the_answer_with_the_message_it_continues(cluster, client, model):
+    """vLLM's chat echo: with continue_final_message the answer is the prefilled text and then its continuation
+    (the reference: the same request without echo), streamed as the role chunk, the echoed text, then the rest;
+    after a user message (a new assistant turn) echo adds nothing."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    common = dict(model=model, messages=messages, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**common, extra_body={"continue_final_message": True})
+    echoed = client.chat.completions.create(**common, extra_body={"continue_final_message": True, "echo": True})
+    continuation = plain.choices[0].message.content
+    assert continuation and echoed.choices[0].message.content == "The capital of France is" + continuation
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    stream = client.chat.completions.create(**common, stream=True,
+                                            extra_body={"continue_final_message": True, "echo": True})
+    deltas = [chunk.choices[0].delta.content for chunk in stream if chunk.choices]
+    assert deltas[:2] == ["", "The capital of France is"] and "".join(d or "" for d in deltas[2:]) == continuation
+    question = messages[:1]
+    alone = client.chat.completions.create(model=model, messages=question, max_tokens=8, temperature=0)
+    echo = client.chat.completions.create(model=model, messages=question, max_tokens=8, temperature=0,
+                                          extra_body={"echo": True})
+    assert echo.choices[0].message.content == alone.choices[0].message.content
