@@ -64,10 +64,16 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        if self.policy == "priority":
-            bisect.insort(self.waiting, seq, key=_rank)
+        self._place(self.waiting, seq)
+
+    def _place(self, queue, seq: Sequence, front: bool = False) -> None:
+        """Into a queue in the policy's order: by _rank, or (fcfs) at its end, or its front for a preempted request."""
+        if self.policy == "priority":  # a preempted request: ahead of every later arrival of its priority
+            bisect.insort(queue, seq, key=_rank)
+        elif front:
+            queue.appendleft(seq)
         else:
-            self.waiting.append(seq)
+            queue.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -122,10 +128,7 @@ class Scheduler:
                 break  # wait for blocks to free up (cached prefix blocks stay referenced meanwhile)
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            if self.policy == "priority":
-                bisect.insort(self.running, seq, key=_rank)
-            else:
-                self.running.append(seq)
+            self._place(self.running, seq)
             out.scheduled.append(item)
             budget -= item.num_new_tokens + item.max_draft_tokens
 
@@ -136,9 +139,6 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         seq.last_block_hash = 0
-        if self.policy == "priority":  # ahead of every later arrival of its priority
-            bisect.insort(self.waiting, seq, key=_rank)
-        else:
-            self.waiting.appendleft(seq)
+        self._place(self.waiting, seq, front=True)
         self.num_preemptions += 1
         out.preempted.append(seq)
