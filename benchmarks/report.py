@@ -225,9 +225,19 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+OTHER_CORES_LIMIT = 0.25  # CPU other processes may take during the timed blocks, in cores, before the run is flagged
+
+
 def _load_note(cfg: dict) -> str | None:
-    """A warning when other processes competed for the CPUs (our own run adds about 1-2 to the load)."""
+    """A warning when other processes competed for the CPUs: the CPU time they took during the timed blocks
+    (benchmarks/cpu_share.py), or where that was not measured the load averages (our own run adds about 1-2)."""
     machine = cfg.get("machine", {})
+    others = cfg.get("other_cpu_cores")
+    if others is not None:
+        if others <= OTHER_CORES_LIMIT:
+            return None
+        return (f"note: other processes took {others} cores' worth of CPU during the timed blocks: tok/s and "
+                "speedups are unreliable (AL, acceptance, identical are not)")
     before, after, cpus = cfg.get("load_avg_1m_before"), machine.get("load_avg_1m"), machine.get("cpu_count") or 1
     if (before is not None and before > 0.5 * cpus) or (after is not None and after > cpus + 0.5):
         return (f"note: 1-min load average {before} before / {after} after the run on {cpus} CPUs: other processes "

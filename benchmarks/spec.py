@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from benchmarks import report
+from benchmarks.cpu_share import OtherLoad
 from benchmarks.prompts import BenchPrompt, builtin_prompts, by_category, load_prompts, select
 from benchmarks.spec_timing import block_raw, instrument, reset_proposer
 from engine.serving.protocol import Generate, SamplingParams
@@ -207,7 +208,7 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed if sampled else None)
     # repeats go round all the methods in turn, so a slow spell of the machine hits every method alike
     blocks = [(mode, n, cat, label) for mode, n in modes for cat in groups for _ in range(repeats) for label in engines]
-    raw = {}
+    raw, others = {}, OtherLoad()
     for mode, n, cat, label in _progress(blocks, progress):
         run = run_block(engines[label], groups[cat], params, n)
         if (mode, cat, label) not in raw or run["wall_s"] < raw[(mode, cat, label)]["wall_s"]:
@@ -217,7 +218,7 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
             "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats, "temperature": temperature,
             "top_p": top_p, "seed": seed if sampled else None,
             "categories": {c: [p.prompt_id for p in ps] for c, ps in groups.items()},
-            "modes": {mode: n for mode, n in modes}, "machine": machine_info(),
+            "modes": {mode: n for mode, n in modes}, "machine": machine_info(), "other_cpu_cores": _rounded(others.cores()),
         },
         "baseline": baselines[0],
         "methods": {label: _spec_dict(e) for label, e in engines.items()},
@@ -240,6 +241,10 @@ def share_verify_curve(engines) -> None:
     t1 = float(np.median([c.t1_seconds for c in controllers]))
     for c in controllers:
         c.verify_cost, c.t1_seconds = np.maximum.accumulate(curve[: len(c.verify_cost)]), t1
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 def _progress(items, enabled: bool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -184,3 +185,32 @@ def test_user_prompt_file_round_trip(tmp_path):
     assert [(p.category, p.prompt_id, len(p.messages)) for p in got] == [("a", "mine-1", 1), ("b", "x", 2)]
     assert got[1].messages[1].content == "two"
     assert [p.prompt_id for p in select(got, ["b"])] == ["x"]
+
+
+def test_the_cpu_other_processes_take_is_measured_apart_from_our_own():
+    """A child burning one core for a second shows up as ~1 core of other load; this process burning CPU itself
+    does not (the load average counts both, and lingers for minutes after a run)."""
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.cpu_share import OtherLoad
+
+    if not pathlib.Path("/proc/stat").exists():
+        pytest.skip("no /proc/stat")
+    others = OtherLoad()
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    burner.wait()
+    assert others.cores() >= 0.5
+    ours = OtherLoad()
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        pass
+    assert ours.cores() < 0.5
+
+
+def test_the_load_note_follows_the_measured_cpu_of_other_processes():
+    lingering = {"load_avg_1m_before": 1.8, "machine": {"load_avg_1m": 1.9, "cpu_count": 2}}
+    assert report._load_note({**lingering, "other_cpu_cores": 0.05}) is None
+    assert "0.9 cores" in report._load_note({**lingering, "other_cpu_cores": 0.9})
+    assert "load average" in report._load_note(lingering)  # not measured (no /proc/stat): the load averages decide
