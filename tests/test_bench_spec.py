@@ -199,7 +199,8 @@ def test_the_cpu_other_processes_take_is_measured_apart_from_our_own():
     if not pathlib.Path("/proc/stat").exists():
         pytest.skip("no /proc/stat")
     others = OtherLoad()
-    burner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    burn = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    burner = subprocess.Popen([sys.executable, "-c", burn])
     burner.wait()
     assert others.cores() >= 0.5
     ours = OtherLoad()
