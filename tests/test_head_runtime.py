@@ -113,6 +113,32 @@ def test_compiled_head_module_equals_the_python_chain(normed, fmt):
     assert stores[0].capacity % 16 == 0
 
 
+@pytest.mark.parametrize("numerics, fmt", [("int8", "q8_0"), ("exact", "f32")])  # the compiled call, the chain
+@pytest.mark.parametrize("normed", [False, True])
+def test_a_catch_up_of_keys_and_values_alone_stores_what_the_whole_module_stores(numerics, fmt, normed):
+    """The top module's catch-up rows need only their K/V (feature_head._catch_up_kv): `fill_kv` puts the
+    same bits in the store as running the module over those rows, so the row after them, and every draft,
+    comes out the same."""
+    rng = np.random.default_rng(2)
+    hidden, nh, nkv, hd, inter = 64, 4, 2, 16, 96
+    cfg = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "rms_eps": 1e-5, "rope_theta": 10000.0}
+    shapes = {"q": (nh * hd, hidden), "k": (nkv * hd, hidden), "v": (nkv * hd, hidden), "o": (hidden, nh * hd),
+              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter), "fc": (hidden, 2 * hidden)}
+    w = {name: rng.standard_normal(shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
+    for name in ("attn_norm", "ffn_norm", "emb_norm", "feat_norm", "out_norm"):
+        w[name] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    module = FeatureModule(w, cfg, fmt, normed, numerics)
+    assert (module.compiled is not None) == (numerics == "int8")
+    emb, feat = rng.standard_normal((2, 60, hidden)).astype(np.float32)
+    whole, split = KVStore(nkv, hd, capacity=16), KVStore(nkv, hd, capacity=16)
+    z = module.forward(emb, feat, [(whole, 0, 0, 60)])  # 60 rows: the threaded row kernels too
+    module.fill_kv(emb[:59], feat[:59], split, 0)
+    last = module.forward(emb[59:], feat[59:], [(split, 59, 0, 1)])
+    np.testing.assert_array_equal(split.k[:, :, :60], whole.k[:, :, :60])
+    np.testing.assert_array_equal(split.v[:60], whole.v[:60])
+    np.testing.assert_array_equal(last[0], z[59])
+
+
 def test_first_draft_charges_the_drafting_rows_not_the_prompt_catch_up(tmp_path, model_path, runner):
     from engine.spec_decode.spec_config import parse_speculative_config
     from proposers.base import TargetModel

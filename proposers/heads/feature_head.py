@@ -50,6 +50,13 @@ class FeatureModule:
                               self.layer.compiled[1], *self.layer.run_args(runs[0]))
         return self.layer.forward(matmul(np.concatenate([emb, feat], axis=1), self.fc), runs)
 
+    def fill_kv(self, emb: np.ndarray, feat: np.ndarray, store: KVStore, p0: int) -> None:
+        """Only the K/V of rows p0..p0+n-1 into the store (no row's output): the kernels of `forward` up to
+        the attention, in its order, so the store holds the bits `forward` would have put there."""
+        if self.norms is not None:
+            emb, feat = rms_norm(emb, self.norms[0], self.eps), rms_norm(feat, self.norms[1], self.eps)
+        self.layer.store_kv(matmul(np.concatenate([emb, feat], axis=1), self.fc), store, p0)
+
     def head_input(self, z: np.ndarray) -> np.ndarray:
         return z if self.norms is None else rms_norm(z, self.norms[2], self.eps)
 
@@ -133,6 +140,8 @@ class FeatureHeadProposer(HeadProposer):
         embs, feats, runs = [], [], []
         for s, m, d, target in zip(states, mods, drafted, targets):
             ms = m[k]
+            if k == len(self.modules) - 1:
+                self._catch_up_kv(k, s, m, d, target)
             embs.append(self.embed_tokens(_token_ids(s, d, ms.done + 1 + k, target + 2 + k)))
             feats.append(self._features(k, s, m, ms.done, target + 1))
             runs.append((ms.store, ms.done, s.feat_lo, target + 1 - ms.done))
@@ -148,6 +157,21 @@ class FeatureHeadProposer(HeadProposer):
             out.append(z[offset + n - 1])
             offset += n
         return np.stack(out)
+
+    def _catch_up_kv(self, k: int, state, mods: list[ModuleState], drafted, target: int) -> None:
+        """The top module's catch-up rows before `target` whose features come from below: no module reads
+        their outputs (only a row past the features below reads its own row before, and that is `target`
+        or later), so they need only their K/V. A 1,400-token prompt's catch-up computes 1,399 rows' fc and
+        q/k/v products instead of each row's whole layer and attention over all the rows before it."""
+        ms = mods[k]
+        end = min(target, state.n_feat if k == 0 else mods[k - 1].done)
+        if end - ms.done < 2:
+            return
+        emb = self.embed_tokens(_token_ids(state, drafted, ms.done + 1 + k, end + 1 + k))
+        self.modules[k].fill_kv(emb, self._features(k, state, mods, ms.done, end), ms.store, ms.done)
+        self.rows_run += end - ms.done
+        ms.n_kv = max(ms.n_kv, min(end, state.num_tokens - 1 - k, state.n_feat if k == 0 else mods[k - 1].n_kv))
+        ms.done = end
 
     @staticmethod
     def _features(k: int, state, mods: list[ModuleState], lo: int, hi: int) -> np.ndarray:

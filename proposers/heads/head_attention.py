@@ -28,7 +28,7 @@ from engine.kernels.simd import (
 
 
 @nb.njit(cache=True)
-def _store(qkv, k_store, v_store, p0, num_heads):
+def store_kv(qkv, k_store, v_store, p0, num_heads):
     """K/V rows of qkv [m, ...] into the store at positions p0..p0+m-1."""
     num_kv, hd = k_store.shape[0], k_store.shape[1]
     for r in range(qkv.shape[0]):
@@ -122,7 +122,7 @@ def _attend_scalar(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
 def store_and_attend(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
     """qkv [m, (heads + 2 kv) hd] (RoPE applied) for positions p0..p0+m-1: writes its K/V rows to the
     store at those positions, then row r attends to keys lo..p0+r -> out [m, heads * hd] (C-contiguous)."""
-    _store(qkv, k_store, v_store, p0, num_heads)
+    store_kv(qkv, k_store, v_store, p0, num_heads)
     if k_store.shape[1] % 16 == 0 and k_store.shape[2] % 16 == 0:
         _attend_vec(qkv, k_store, v_store, p0, lo, num_heads, scale, out)
     else:

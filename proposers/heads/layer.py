@@ -19,7 +19,7 @@ from engine.kernels import layer as layer_kernels
 from engine.kernels.int_linear import host_path
 from engine.kernels.linear import Weight, linear, pack_f32, pack_gguf_tensor
 from engine.kernels.weights import RawTensor
-from proposers.heads.head_attention import store_and_attend
+from proposers.heads.head_attention import store_and_attend, store_kv
 from proposers.heads.layer_jit import head_layer
 
 WEIGHT_FORMATS = ("q8_0", "q4_0", "f32")
@@ -154,6 +154,15 @@ class DecoderLayer:
         act = np.empty((len(x), gate_up.shape[1] // 2), np.float32)  # [n, I]
         ops.swiglu(gate_up, act)
         return x + matmul(act, self.down)
+
+    def store_kv(self, x: np.ndarray, store: KVStore, p0: int) -> None:
+        """Only the K/V of rows x [n, H] at positions p0..p0+n-1 into the store, as `forward` computes them."""
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = matmul(rms_norm(x, self.attn_norm, self.eps), self.qkv)  # [n, (nh + 2 nkv) hd]
+        cos, sin = self._rope_tables(p0 + len(x))
+        arch_ops.rope_neox(qkv, np.arange(p0, p0 + len(x), dtype=np.int32), cos, sin, nh + nkv, hd, hd)
+        store.ensure(p0 + len(x))
+        store_kv(qkv, store.k, store.v, p0, nh)
 
     def _rope_tables(self, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin [>= num_positions, hd / 2] (grown by doubling)."""
