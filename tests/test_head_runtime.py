@@ -38,21 +38,24 @@ def test_embedding_rows_equal_ggufs_dequantizer(kind):
     np.testing.assert_array_equal(out, want)
 
 
-def reference_attention(q, keys, values, positions, lo, num_heads, num_kv):
-    """float64: row r (at positions[r]) over keys lo..positions[r]; q [m, heads, hd], keys/values [c, kv, hd]."""
+def reference_attention(q, keys, values, positions, lo, num_heads, num_kv, window=0):
+    """float64: row r (at positions[r]) over keys lo..positions[r], at most the last `window` of them (0: all);
+    q [m, heads, hd], keys/values [c, kv, hd]."""
     m, _, hd = q.shape
     out = np.zeros((m, num_heads, hd))
     for r in range(m):
+        first = max(lo, positions[r] + 1 - window) if window else lo
         for h in range(num_heads):
             kvh = h // (num_heads // num_kv)
-            s = keys[lo : positions[r] + 1, kvh].astype(np.float64) @ q[r, h].astype(np.float64) / np.sqrt(hd)
+            s = keys[first : positions[r] + 1, kvh].astype(np.float64) @ q[r, h].astype(np.float64) / np.sqrt(hd)
             p = np.exp(s - s.max())
-            out[r, h] = p @ values[lo : positions[r] + 1, kvh] / p.sum()
+            out[r, h] = p @ values[first : positions[r] + 1, kvh] / p.sum()
     return out.reshape(m, -1)
 
 
-@pytest.mark.parametrize("hd, p0", [(32, 9), (64, 70), (24, 9)])  # 16-lane loops (over 64 keys too), scalar loop
-def test_head_attention_equals_reference_and_each_row_stands_alone(hd, p0):
+# 16-lane loops (over 64 keys too), the scalar loop; windows that cut into the keys a row sees (not at a 16-key edge)
+@pytest.mark.parametrize("hd, p0, window", [(32, 9, 0), (64, 70, 0), (24, 9, 0), (64, 70, 37), (24, 9, 6)])
+def test_head_attention_equals_reference_and_each_row_stands_alone(hd, p0, window):
     rng = np.random.default_rng(0)
     nh, nkv, m, lo = 6, 2, 5, 3
     cached = rng.standard_normal((2, p0, nkv, hd)).astype(np.float32)  # K, V of positions 0..p0-1
@@ -67,17 +70,18 @@ def test_head_attention_equals_reference_and_each_row_stands_alone(hd, p0):
 
     store = fresh_store()
     out = np.zeros((m, nh * hd), np.float32)
-    store_and_attend(qkv, store.k, store.v, p0, lo, nh, np.float32(1 / np.sqrt(hd)), out)
+    store_and_attend(qkv, store.k, store.v, p0, lo, window, nh, np.float32(1 / np.sqrt(hd)), out)
     keys = np.concatenate([cached[0], qkv[:, nh * hd : (nh + nkv) * hd].reshape(m, nkv, hd)])
     values = np.concatenate([cached[1], qkv[:, (nh + nkv) * hd :].reshape(m, nkv, hd)])
     np.testing.assert_array_equal(store.k[:, :, : p0 + m], keys.transpose(1, 2, 0))
     np.testing.assert_array_equal(store.v[: p0 + m], values)
-    want = reference_attention(qkv[:, : nh * hd].reshape(m, nh, hd), keys, values, np.arange(p0, p0 + m), lo, nh, nkv)
+    want = reference_attention(qkv[:, : nh * hd].reshape(m, nh, hd), keys, values, np.arange(p0, p0 + m), lo, nh, nkv,
+                               window)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     store = fresh_store()
     for r in range(m):  # one row per call, as a request that appends a token a step
         alone = np.zeros((1, nh * hd), np.float32)
-        store_and_attend(qkv[r : r + 1], store.k, store.v, p0 + r, lo, nh, np.float32(1 / np.sqrt(hd)), alone)
+        store_and_attend(qkv[r : r + 1], store.k, store.v, p0 + r, lo, window, nh, np.float32(1 / np.sqrt(hd)), alone)
         np.testing.assert_array_equal(alone[0], out[r])
 
 
@@ -137,6 +141,49 @@ def test_a_catch_up_of_keys_and_values_alone_stores_what_the_whole_module_stores
     np.testing.assert_array_equal(split.k[:, :, :60], whole.k[:, :, :60])
     np.testing.assert_array_equal(split.v[:60], whole.v[:60])
     np.testing.assert_array_equal(last[0], z[59])
+
+
+@pytest.mark.parametrize("kind, num_modules, window", [("eagle", 1, 0), ("eagle", 1, 48), ("mtp", 2, 48)])
+def test_a_catch_up_that_skips_rows_drafts_what_running_every_row_drafts(tmp_path, model_path, runner, kind,
+                                                                         num_modules, window):
+    """A head's first draft on a long prompt skips the rows no later row sees (window W: all but the last W,
+    or 2W - 1 below the top module) and runs the top module's rows before its target for their K/V alone
+    (feature_head._catch_up). Its drafts, the head's output at each drafting row and the steps after equal
+    those of the same head running every row of the prompt in full."""
+    from engine.spec_decode.spec_config import parse_speculative_config
+    from proposers.base import TargetModel
+    from proposers.heads.eagle import EagleProposer
+    from proposers.heads.mtp import MtpProposer
+
+    model = GGUFModel(model_path)
+    head = write_random_head(tmp_path / kind, kind, model.config, num_modules=num_modules, scale=0.2)
+    config = parse_speculative_config(f'{{"method": "{kind}", "model": "{head}", "attention_window": {window}}}')
+    proposers = [(EagleProposer if kind == "eagle" else MtpProposer)(config, model.config.vocab_size) for _ in "ab"]
+    fast, full = proposers
+    full._catch_up = lambda *args: None  # every row in full, from the first
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, model.config.vocab_size, 161).astype(np.int32)  # a 160-token prompt, its first token
+    hidden = rng.standard_normal((160, model.config.hidden_size)).astype(np.float32)
+    for p in proposers:
+        p.bind_target(TargetModel(model, runner, runner.cache, runner.numerics))
+        p.start_request("r", tokens)
+        p.observe_hidden("r", 0, hidden)
+    kv_rows, top = [], fast.modules[-1]
+    top.fill_kv = lambda emb, *args, fill=top.fill_kv: (kv_rows.append(len(emb)), fill(emb, *args))[1]
+    for step in range(3):
+        n = len(tokens)
+        got = [p.propose([DraftRequest("r", tokens, 160, 3, 0.0, None)]).token_ids[0] for p in proposers]
+        np.testing.assert_array_equal(got[0], got[1])
+        for k in range(num_modules):
+            np.testing.assert_array_equal(fast.module_states["r"][k].z[n - 2], full.module_states["r"][k].z[n - 2])
+        if step == 0:  # the first draft skipped rows (a window) or ran the top module's for their K/V alone
+            assert fast.rows_run < full.rows_run if window else kv_rows == [159]
+        accepted = np.concatenate([got[0][:1], [7]]).astype(np.int32)  # the first draft and a recovered token
+        tokens = np.concatenate([tokens, accepted])
+        features = rng.standard_normal((2, model.config.hidden_size)).astype(np.float32)  # positions n-1, n
+        for p in proposers:
+            p.extend_request("r", accepted)
+            p.observe_hidden("r", n - 1, features)
 
 
 def test_first_draft_charges_the_drafting_rows_not_the_prompt_catch_up(tmp_path, model_path, runner):

@@ -145,6 +145,8 @@ def test_head_sees_the_targets_final_normed_hidden_states(spec_engine, model_pat
     ({"method": "mtp", "num_speculative_tokens": 2, "num_model_steps": 3}, "speculative_config.num_model_steps"),
     ({"method": "mtp", "mtp_strategy": "ngram_only"}, "speculative_config.mtp_strategy"),
     ({"method": "eagle", "weights": "int3"}, "speculative_config.weights"),
+    ({"method": "eagle", "attention_window": -1}, "speculative_config.attention_window"),
+    ({"method": "mtp", "attention_window": "all"}, "speculative_config.attention_window"),
     ({"method": "medusa", "heads": 4}, "speculative_config.heads"),
 ])
 def test_bad_config_is_a_value_error_naming_the_field(config, field):

@@ -23,6 +23,9 @@ SHIPPED = Path(__file__).parent / "data"
 class HeadOptions(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None  # head .safetensors path; None = the head shipped for the target model
     weights: str = "q8_0"  # how head matrices (and the draft LM head's rows) are held at run time: q8_0, q4_0 or f32
+    # a head row attends to at most this many rows, its own included (0: all); None: as many as a window of the
+    # head's training held (its file's training.config.seq_len), the most it ever saw
+    attention_window: int | None = None
 
 
 def find_shipped_head(kind: str, target_name: str, vocab_size: int, hidden_size: int, num_layers: int) -> Path | None:
@@ -83,6 +86,9 @@ class HeadProposer(Proposer):
         super().__init__(config, vocab_size)
         if self.options.weights not in WEIGHT_FORMATS:
             raise ValueError(f"speculative_config.weights: must be one of {', '.join(WEIGHT_FORMATS)}")
+        if self.options.attention_window is not None and self.options.attention_window < 0:
+            raise ValueError(f"speculative_config.attention_window: must be 0 (all rows) or more, "
+                             f"got {self.options.attention_window}")
         self.requests: dict[str, RequestState] = {}
         self.rng = np.random.default_rng(0)
         self.head: HeadFile | None = None

@@ -10,7 +10,9 @@ The catch-up rows are owed per generated token whether the head drafts this step
 request's first draft catches up on its whole prompt), so the time a step reports for the draft
 controller (`charged_fraction`) is the share of its rows that drafting every step would run: the
 drafts plus one row of history per request. Charged in full, a catch-up made drafting look dearer
-than a plain step, so an adaptive head stopped drafting and each rare probe caught up again.
+than a plain step, so an adaptive head stopped drafting and each rare probe caught up again. A
+catch-up computes only what later rows read (`_catch_up`): with an attention window it skips the
+rows no later row sees, and the top module's rows before the target need only their K/V.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ WARM_UP_ROWS = 48  # >= every threshold at which a row kernel or the quantizer t
 
 
 class FeatureModule:
-    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, normed_inputs: bool, numerics: str = "exact"):
+    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, normed_inputs: bool, numerics: str = "exact",
+                 window: int = 0):
         self.fc = pack_matrix(w["fc"], fmt, numerics)  # [H, 2H]
-        self.layer = DecoderLayer(w, cfg, fmt, numerics)
+        self.layer = DecoderLayer(w, cfg, fmt, numerics, window)
         self.eps = cfg["rms_eps"]
         self.norms = (w["emb_norm"], w["feat_norm"], w["out_norm"]) if normed_inputs else None
         fc_key = product_key(self.fc)
@@ -82,21 +85,25 @@ class FeatureHeadProposer(HeadProposer):
 
     def load_modules(self, head: HeadFile) -> None:
         cfg = head.config
+        self.window = self.options.attention_window
+        if self.window is None:  # the rows a training window held: the most the head ever attended to
+            self.window = int(cfg.get("training", {}).get("config", {}).get("seq_len", 0))
         self.modules = [FeatureModule(head.module(i), cfg, self.options.weights, self.normed_inputs,
-                                      self.numerics)
+                                      self.numerics, self.window)
                         for i in range(cfg["num_modules"])]
         self.module_states: dict[str, list[ModuleState]] = {}
         self._warm_up(cfg)
 
     def _warm_up(self, cfg: dict) -> None:
         """Throwaway rows through every module, one and a prompt's catch-up of WARM_UP_ROWS (the row
-        kernels' threaded builds): compiles (or loads) the head's kernels now, not inside a request's
-        first drafts, where the time would also be charged to the head's cost."""
+        kernels' threaded builds), whole and K/V alone: compiles (or loads) the head's kernels now, not
+        inside a request's first drafts, where the time would also be charged to the head's cost."""
         launch_threads()  # a head bound without a CpuRunner (see jit_cache.launch_threads)
         for n in (1, WARM_UP_ROWS):
             rows = np.zeros((n, self.hidden_size), np.float32)
             for module in self.modules:
                 module.head_input(module.forward(rows, rows, [(KVStore(cfg["num_kv_heads"], cfg["head_dim"]), 0, 0, n)]))
+                module.fill_kv(rows, rows, KVStore(cfg["num_kv_heads"], cfg["head_dim"]), 0)
 
     def stop_request(self, request_id) -> None:
         super().stop_request(request_id)
@@ -140,8 +147,7 @@ class FeatureHeadProposer(HeadProposer):
         embs, feats, runs = [], [], []
         for s, m, d, target in zip(states, mods, drafted, targets):
             ms = m[k]
-            if k == len(self.modules) - 1:
-                self._catch_up_kv(k, s, m, d, target)
+            self._catch_up(k, s, m, d, target)
             embs.append(self.embed_tokens(_token_ids(s, d, ms.done + 1 + k, target + 2 + k)))
             feats.append(self._features(k, s, m, ms.done, target + 1))
             runs.append((ms.store, ms.done, s.feat_lo, target + 1 - ms.done))
@@ -158,13 +164,22 @@ class FeatureHeadProposer(HeadProposer):
             offset += n
         return np.stack(out)
 
-    def _catch_up_kv(self, k: int, state, mods: list[ModuleState], drafted, target: int) -> None:
-        """The top module's catch-up rows before `target` whose features come from below: no module reads
-        their outputs (only a row past the features below reads its own row before, and that is `target`
-        or later), so they need only their K/V. A 1,400-token prompt's catch-up computes 1,399 rows' fc and
-        q/k/v products instead of each row's whole layer and attention over all the rows before it."""
-        ms = mods[k]
-        end = min(target, state.n_feat if k == 0 else mods[k - 1].done)
+    def _catch_up(self, k: int, state, mods: list[ModuleState], drafted, target: int) -> None:
+        """Before module k runs its rows done..target in full, skip the rows no later row will see and run
+        the rows whose outputs nobody reads for their K/V alone.
+
+        Within a window of W keys, a row r sees rows r+1-W..r. The top module's target row sees rows from
+        target+1-W; a lower module's outputs are read by the module above from there on, and those rows
+        see rows from target+2-2W. The top module's outputs are read only at its target row (a row past
+        the features below reads its own row before, and that is the target or later), so its rows before
+        the target need only their K/V; a lower module's, only those before target+1-W. On a 1,400-token
+        prompt, eagle's first draft then runs 1,399 rows' fc and q/k/v products instead of 1,400 rows'
+        whole layer with attention over every row before each."""
+        ms, top, window = mods[k], k == len(self.modules) - 1, self.window
+        if window and (first := target + 1 - window if top else target + 2 - 2 * window) > ms.done:
+            ms.done = first  # the rows before are never computed: no row that is will see them
+        full_from = target if top else (target + 1 - window if window else ms.done)
+        end = min(full_from, state.n_feat if k == 0 else mods[k - 1].done)
         if end - ms.done < 2:
             return
         emb = self.embed_tokens(_token_ids(state, drafted, ms.done + 1 + k, end + 1 + k))

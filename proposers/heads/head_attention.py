@@ -59,13 +59,20 @@ def _value_span(v_store, kvh, c, lo, end, scores, inv, out, o, tt):
     store_rows(out, o, 16, f32_mul(acc, f32_splat(inv, tt)), 16)
 
 
+@nb.njit(cache=True, inline="always")
+def _row_first(first, window, end):
+    """The first key a row that ends at key end - 1 sees: `first`, or within the last `window` keys (0: no window)."""
+    return max(first, end - window) if window > 0 else first
+
+
 @nb.njit(cache=True)
-def _attend_vec(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
+def _attend_vec(qkv, k_store, v_store, p0, first, window, num_heads, scale, out):
     num_kv, hd, cap = k_store.shape
     group = num_heads // num_kv
     scores = np.empty((1, cap), np.float32)  # [1, keys]: chunk-aligned scores of one head
     for r in range(qkv.shape[0]):
         end = p0 + r + 1  # this row sees keys lo..end-1
+        lo = _row_first(first, window, end)
         last = (end + 15) // 16 * 16  # <= cap: the loads stay in the store
         for h in range(num_heads):
             kvh = h // group
@@ -84,12 +91,13 @@ def _attend_vec(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
 
 
 @nb.njit(cache=True)
-def _attend_scalar(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
+def _attend_scalar(qkv, k_store, v_store, p0, first, window, num_heads, scale, out):
     num_kv, hd = k_store.shape[0], k_store.shape[1]
     group = num_heads // num_kv
-    scores = np.empty(p0 + qkv.shape[0] - lo, np.float32)  # [keys]
+    scores = np.empty(p0 + qkv.shape[0] - first, np.float32)  # [keys]
     acc = np.empty(hd, np.float32)
     for r in range(qkv.shape[0]):
+        lo = _row_first(first, window, p0 + r + 1)
         n = p0 + r + 1 - lo  # keys this row sees
         for h in range(num_heads):
             kvh = h // group
@@ -119,11 +127,12 @@ def _attend_scalar(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
 
 
 @nb.njit(cache=True)
-def store_and_attend(qkv, k_store, v_store, p0, lo, num_heads, scale, out):
+def store_and_attend(qkv, k_store, v_store, p0, lo, window, num_heads, scale, out):
     """qkv [m, (heads + 2 kv) hd] (RoPE applied) for positions p0..p0+m-1: writes its K/V rows to the
-    store at those positions, then row r attends to keys lo..p0+r -> out [m, heads * hd] (C-contiguous)."""
+    store at those positions, then row r attends to keys max(lo, p0 + r + 1 - window)..p0+r (window 0:
+    from lo) -> out [m, heads * hd] (C-contiguous)."""
     store_kv(qkv, k_store, v_store, p0, num_heads)
     if k_store.shape[1] % 16 == 0 and k_store.shape[2] % 16 == 0:
-        _attend_vec(qkv, k_store, v_store, p0, lo, num_heads, scale, out)
+        _attend_vec(qkv, k_store, v_store, p0, lo, window, num_heads, scale, out)
     else:
-        _attend_scalar(qkv, k_store, v_store, p0, lo, num_heads, scale, out)
+        _attend_scalar(qkv, k_store, v_store, p0, lo, window, num_heads, scale, out)

@@ -102,7 +102,8 @@ class KVStore:
 class DecoderLayer:
     """One Llama decoder layer with rotate-half RoPE; attention reads a request's KVStore."""
 
-    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, numerics: str = "exact"):
+    def __init__(self, w: dict[str, np.ndarray], cfg: dict, fmt: str, numerics: str = "exact", window: int = 0):
+        self.window = window  # a row attends to at most this many keys, its own included (0: all)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
         self.eps = cfg["rms_eps"]
         self.attn_norm, self.ffn_norm = w["attn_norm"], w["ffn_norm"]
@@ -130,7 +131,7 @@ class DecoderLayer:
         store, p0, lo, m = run
         store.ensure(p0 + m)
         cos, sin = self._rope_tables(p0 + m)
-        return store.k, store.v, p0, lo, cos, sin, np.float32(self.eps), self.scale, self.num_heads
+        return store.k, store.v, p0, lo, self.window, cos, sin, np.float32(self.eps), self.scale, self.num_heads
 
     def forward(self, x: np.ndarray, runs: list[tuple[KVStore, int, int, int]]) -> np.ndarray:
         """x [n, H] holds consecutive runs of rows, run = (store, first position, attention start,
@@ -147,7 +148,8 @@ class DecoderLayer:
         row = 0
         for store, p0, lo, m in runs:
             store.ensure(p0 + m)
-            store_and_attend(qkv[row : row + m], store.k, store.v, p0, lo, nh, self.scale, attn[row : row + m])
+            store_and_attend(qkv[row : row + m], store.k, store.v, p0, lo, self.window, nh, self.scale,
+                             attn[row : row + m])
             row += m
         x = x + matmul(attn, self.o)
         gate_up = matmul(rms_norm(x, self.ffn_norm, self.eps), self.gate_up)  # [n, 2 I]

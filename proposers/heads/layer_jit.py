@@ -28,8 +28,9 @@ def _quant_rows(n, k):
             np.empty((n, k // 16), np.int32))
 
 
-def _head_layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads):
-    """x [n, H] at positions p0..p0+n-1 attending from key lo -> [n, H] (see DecoderLayer.forward)."""
+def _head_layer(x, w, k_store, v_store, p0, lo, window, cos, sin, eps, scale, num_heads):
+    """x [n, H] at positions p0..p0+n-1 attending from key lo, within `window` keys -> [n, H] (see
+    DecoderLayer.forward)."""
     attn_norm, w_qkv, w_o, ffn_norm, w_gu, w_down, inter = w
     n, hidden = x.shape
     num_kv, hd = k_store.shape[0], k_store.shape[1]
@@ -47,7 +48,7 @@ def _head_layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads)
     else:
         _rope_s(qkv, positions, cos, sin, num_heads + num_kv, hd, hd)  # noqa: F821
     attn = np.empty((n, num_heads * hd), np.float32)  # [n, nh hd]
-    store_and_attend(qkv, k_store, v_store, p0, lo, num_heads, scale, attn)
+    store_and_attend(qkv, k_store, v_store, p0, lo, window, num_heads, scale, attn)
     delta = np.empty((n, hidden), np.float32)
     _o(attn, w_o, delta, _quant_rows(n, num_heads * hd))  # noqa: F821
     x = x + delta  # a new array: the caller's x stays as it was
@@ -66,7 +67,7 @@ def _head_layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads)
     return x + delta
 
 
-def _fc_then_layer(emb, feat, w_fc, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads):
+def _fc_then_layer(emb, feat, w_fc, w, k_store, v_store, p0, lo, window, cos, sin, eps, scale, num_heads):
     """An EAGLE / MTP module: x = [emb | feat] @ fc.T [n, H], then the layer over x (see _head_layer)."""
     n, hidden = emb.shape
     both = np.empty((n, 2 * hidden), np.float32)  # [n, 2H]
@@ -74,7 +75,7 @@ def _fc_then_layer(emb, feat, w_fc, w, k_store, v_store, p0, lo, cos, sin, eps, 
     both[:, hidden:] = feat
     x = np.empty((n, hidden), np.float32)
     _fc(both, w_fc, x, _quant_rows(n, 2 * hidden))  # noqa: F821
-    return _layer(x, w, k_store, v_store, p0, lo, cos, sin, eps, scale, num_heads)  # noqa: F821
+    return _layer(x, w, k_store, v_store, p0, lo, window, cos, sin, eps, scale, num_heads)  # noqa: F821
 
 
 @functools.cache
