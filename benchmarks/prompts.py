@@ -15,6 +15,12 @@ span how much of the answer a model-free proposer can copy:
 - open_chat: open questions (little to copy: speculation must not slow these down);
 - agent_json: tool calls / records in one JSON shape that repeats within and across requests
   (what a cross-request cache such as suffix decoding is for).
+
+Two more run only when named (`--categories long_code,long_chat`): ~1,400-token prompts, where a verify's
+attention and a draft head's catch-up on the prompt weigh more than in the short suite:
+
+- long_code: a whole Python module to rename things in or comment (mostly copied);
+- long_chat: a long document (this project's README, its measurement journal) and a question about it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from engine.serving.protocol import ChatMessage
 
 SUITE_DIR = pathlib.Path(__file__).resolve().parent / "prompt_suite"
 BUILTIN_CATEGORIES = ("code_edit", "extraction", "open_chat", "agent_json")
+LONG_CATEGORIES = ("long_code", "long_chat")  # built in, run only when named
 ROLES = ("system", "user", "assistant")
 
 
@@ -39,11 +46,13 @@ class BenchPrompt:
 
 
 def builtin_prompts(categories: list[str] | None = None) -> list[BenchPrompt]:
-    """The built-in suite, in category order; `categories` picks a subset (unknown names fail)."""
+    """The built-in suite, in category order; `categories` picks a subset, the long ones included (unknown names
+    fail)."""
     names = list(BUILTIN_CATEGORIES) if categories is None else categories
     for name in names:
-        if name not in BUILTIN_CATEGORIES:
-            raise ValueError(f"categories: {name!r} is not a built-in category ({', '.join(BUILTIN_CATEGORIES)})")
+        if name not in BUILTIN_CATEGORIES + LONG_CATEGORIES:
+            raise ValueError(f"categories: {name!r} is not a built-in category "
+                             f"({', '.join(BUILTIN_CATEGORIES + LONG_CATEGORIES)})")
     prompts: list[BenchPrompt] = []
     for name in names:
         prompts += load_prompts(SUITE_DIR / f"{name}.jsonl")

@@ -53,7 +53,9 @@ def parse(argv):
                    help='a full speculative config, repeatable: \'{"method":"ngram","num_speculative_tokens":3}\'')
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="K for the --methods entries")
     p.add_argument("--concurrency", type=int, default=4, help="requests at once in the concurrent mode (<= 1: skip it)")
-    p.add_argument("--categories", default=None, help="comma list (default: all)")
+    p.add_argument("--categories", default=None,
+                   help="comma list (default: every category of the file, or the built-in suite's four; "
+                        "long_code, long_chat: its ~1,400-token prompts)")
     p.add_argument("--prompts", default=None, help="JSONL file of your own prompts")
     p.add_argument("--per-category", type=int, default=None, help="use at most this many prompts per category")
     p.add_argument("--repeats", type=int, default=1, help="time each block this many times, keep the fastest")
@@ -299,7 +301,7 @@ def machine_info() -> dict:
 
 def load_suite(args) -> list[BenchPrompt]:
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts()
+    prompts = load_prompts(args.prompts) if args.prompts else builtin_prompts(categories)
     return select(prompts, categories, args.per_category)
 
 

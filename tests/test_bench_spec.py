@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import report
-from benchmarks.prompts import BUILTIN_CATEGORIES, builtin_prompts, load_prompts, parse_record, select
+from benchmarks.prompts import BUILTIN_CATEGORIES, LONG_CATEGORIES, builtin_prompts, load_prompts, parse_record, select
 from benchmarks.spec import main, method_configs, run_spec_bench, share_verify_curve
 from engine.generate import generate
 from engine.serving.protocol import SamplingParams
@@ -54,6 +54,19 @@ def _row(result, mode, category, method):
 def test_builtin_suite_has_every_category_with_3_to_6_prompts():
     counts = {c: sum(p.category == c for p in builtin_prompts()) for c in BUILTIN_CATEGORIES}
     assert all(3 <= n <= 6 for n in counts.values()), counts
+
+
+def test_long_prompt_categories_run_only_when_named(tokenizer):
+    """long_code / long_chat: built in, left out of the default suite, ~1,400 tokens a prompt (chat template
+    included), which the bench's default --max-model-len of 2,048 holds with 128 tokens of answer."""
+    from benchmarks.spec import load_suite, parse
+
+    assert not {p.category for p in builtin_prompts()} & set(LONG_CATEGORIES)
+    prompts = load_suite(parse(["--categories", "long_chat,long_code"]))
+    assert [p.category for p in prompts] == ["long_chat"] * 2 + ["long_code"] * 2
+    lengths = [len(tokenizer.encode(tokenizer.apply_chat_template(p.messages), add_special_tokens=False))
+               for p in prompts]
+    assert all(1000 <= n <= 2048 - 128 for n in lengths), lengths
 
 
 def test_one_row_per_mode_category_and_method(result, prompts):
