@@ -85,6 +85,17 @@ def test_head_attention_equals_reference_and_each_row_stands_alone(hd, p0, windo
         np.testing.assert_array_equal(alone[0], out[r])
 
 
+def random_module(rng, hidden=64, nh=4, nkv=2, hd=16, inter=96) -> tuple[dict, dict]:
+    """A feature module's random weights (small, so its rows stay in range) and its config."""
+    cfg = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "rms_eps": 1e-5, "rope_theta": 10000.0}
+    shapes = {"q": (nh * hd, hidden), "k": (nkv * hd, hidden), "v": (nkv * hd, hidden), "o": (hidden, nh * hd),
+              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter), "fc": (hidden, 2 * hidden)}
+    w = {name: rng.standard_normal(shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
+    for name in ("attn_norm", "ffn_norm", "emb_norm", "feat_norm", "out_norm"):
+        w[name] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    return w, cfg
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("normed", [False, True])  # eagle's module, mtp's (normed inputs)
 def test_compiled_head_module_equals_the_python_chain(normed, fmt):
@@ -92,13 +103,8 @@ def test_compiled_head_module_equals_the_python_chain(normed, fmt):
     numerics: the same kernels in the same order as the Python chain that batched requests take, so the
     same bits, for a catch-up of the prompt and single rows after it."""
     rng = np.random.default_rng(1)
-    hidden, nh, nkv, hd, inter = 64, 4, 2, 16, 96
-    cfg = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "rms_eps": 1e-5, "rope_theta": 10000.0}
-    shapes = {"q": (nh * hd, hidden), "k": (nkv * hd, hidden), "v": (nkv * hd, hidden), "o": (hidden, nh * hd),
-              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter), "fc": (hidden, 2 * hidden)}
-    w = {name: rng.standard_normal(shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
-    for name in ("attn_norm", "ffn_norm", "emb_norm", "feat_norm", "out_norm"):
-        w[name] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    w, cfg = random_module(rng)
+    hidden, nkv, hd = 64, cfg["num_kv_heads"], cfg["head_dim"]
     compiled = FeatureModule(w, cfg, fmt, normed, "int8")
     chain = FeatureModule(w, cfg, fmt, normed, "int8")
     assert compiled.fc.fmt == fmt
@@ -120,17 +126,12 @@ def test_compiled_head_module_equals_the_python_chain(normed, fmt):
 @pytest.mark.parametrize("numerics, fmt", [("int8", "q8_0"), ("exact", "f32")])  # the compiled call, the chain
 @pytest.mark.parametrize("normed", [False, True])
 def test_a_catch_up_of_keys_and_values_alone_stores_what_the_whole_module_stores(numerics, fmt, normed):
-    """The top module's catch-up rows need only their K/V (feature_head._catch_up_kv): `fill_kv` puts the
+    """The top module's catch-up rows need only their K/V (feature_head._catch_up): `fill_kv` puts the
     same bits in the store as running the module over those rows, so the row after them, and every draft,
     comes out the same."""
     rng = np.random.default_rng(2)
-    hidden, nh, nkv, hd, inter = 64, 4, 2, 16, 96
-    cfg = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd, "rms_eps": 1e-5, "rope_theta": 10000.0}
-    shapes = {"q": (nh * hd, hidden), "k": (nkv * hd, hidden), "v": (nkv * hd, hidden), "o": (hidden, nh * hd),
-              "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter), "fc": (hidden, 2 * hidden)}
-    w = {name: rng.standard_normal(shape).astype(np.float32) * 0.2 for name, shape in shapes.items()}
-    for name in ("attn_norm", "ffn_norm", "emb_norm", "feat_norm", "out_norm"):
-        w[name] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    w, cfg = random_module(rng)
+    hidden, nkv, hd = 64, cfg["num_kv_heads"], cfg["head_dim"]
     module = FeatureModule(w, cfg, fmt, normed, numerics)
     assert (module.compiled is not None) == (numerics == "int8")
     emb, feat = rng.standard_normal((2, 60, hidden)).astype(np.float32)
