@@ -42,6 +42,10 @@ It follows llama.cpp's reading of a GGUF, one small function per feature:
           norm_w, hard-coded for this architecture): probs = softmax(x @ ffn_gate_inp^T) over `{arch}.expert_count`
           experts, the top `{arch}.expert_used_count` by probability, their probabilities divided by their sum, and
           the output sum_e w_e * down_e(silu(gate_e x) * up_e x) with expert e's rows of ffn_{gate,up,down}_exps.
+- qwen2moe: qwen2's attention; the FFN qwen3moe's mixture of experts without the renormalization (llama.cpp's
+          norm_w false for this architecture: each chosen expert weighted by its probability over all experts),
+          plus a shared expert every token runs, ffn_{gate,up,down}_shexp, its output times
+          sigmoid(x . ffn_gate_inp_shexp), added after the routed experts' sum.
 - granite: llama with four multipliers from the metadata: embeddings times `{arch}.embedding_scale`, attention
           scores times `{arch}.attention.scale` (instead of 1/sqrt(head_dim)), each sublayer's output times
           `{arch}.residual_scale` before the residual add, the logits divided by `{arch}.logit_scale`.
@@ -65,6 +69,7 @@ class ArchSpec:
     activation: str                # gate activation of the gated FFN: "silu" or "gelu_tanh"
     embed_scale: bool = False      # multiply the token embeddings by sqrt(n_embd)
     swa_period: int | None = None  # llama.cpp's built-in sliding-window period (None: every layer global)
+    expert_norm: bool = True       # a MoE's chosen experts' weights divided by their sum (llama.cpp's norm_w)
     swa_rope_base: float | None = 10000.0  # llama.cpp's built-in RoPE base for the local layers (None: the global one)
     no_rope_period: int = 0        # llama.cpp's built-in NoPE step: layer il skips RoPE iff (il + 1) % period == 0
 
@@ -74,6 +79,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen2": ArchSpec(rope="neox", activation="silu"),
     "qwen3": ArchSpec(rope="neox", activation="silu"),
     "qwen3moe": ArchSpec(rope="neox", activation="silu"),
+    "qwen2moe": ArchSpec(rope="neox", activation="silu", expert_norm=False),
     "gemma2": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=2, swa_rope_base=None),
     "gemma3": ArchSpec(rope="neox", activation="gelu_tanh", embed_scale=True, swa_period=6),
     "phi3": ArchSpec(rope="neox", activation="silu"),
@@ -300,9 +306,13 @@ def moe_ffn(m: RefModel, il: int, x: np.ndarray) -> np.ndarray:
     out = np.zeros_like(x)
     for t in range(x.shape[0]):
         chosen = np.argsort(-probs[t], kind="stable")[: m.n_expert_used]
-        weights = probs[t, chosen] / probs[t, chosen].sum()
+        weights = probs[t, chosen] / (probs[t, chosen].sum() if m.spec.expert_norm else 1.0)
         for e, w in zip(chosen, weights):
             out[t] += w * linear(silu(linear(x[t], gate[e])) * linear(x[t], up[e]), down[e])
+    if m.t(b + "ffn_gate_inp_shexp.weight") is not None:  # qwen2moe's shared expert, gated per token
+        shared = linear(silu(linear(x, m.t(b + "ffn_gate_shexp.weight"))) * linear(x, m.t(b + "ffn_up_shexp.weight")),
+                        m.t(b + "ffn_down_shexp.weight"))
+        out += shared / (1.0 + np.exp(-(x @ m.t(b + "ffn_gate_inp_shexp.weight").reshape(-1))))[:, None]
     return out
 
 

@@ -14,7 +14,7 @@ import pytest
 from arch_reference import forward, load_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "granite",
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "granite",
          "granitemoe"]
 TOLERANCE = 1e-3
 

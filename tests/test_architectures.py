@@ -1,5 +1,5 @@
-"""Each supported architecture (llama, qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, smollm3, granite, granitemoe;
-mixtral: a llama file with experts) runs in the engine's CPU runner and computes
+"""Each supported architecture (llama, qwen2, qwen3, qwen3moe, qwen2moe, gemma2, gemma3, phi3, smollm3, granite,
+granitemoe; mixtral: a llama file with experts) runs in the engine's CPU runner and computes
 what transformers computes: tiny random GGUFs written the way llama.cpp's converter writes each
 architecture (tests/fixtures/arch, made by tests/fixtures/make_arch_fixtures.py with transformers'
 float32 logits of the same weights). Exact numerics match within 1e-3 with the same top-1 everywhere;
@@ -19,8 +19,8 @@ from engine.model.cpu_runner import CacheConfig, CpuRunner, ForwardBatch
 from engine.model.gguf_loader import GGUFModel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "arch"
-ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3", "granite",
-         "granitemoe"]
+ARCHS = ["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "mixtral", "gemma2", "gemma3", "phi3", "smollm3",
+         "granite", "granitemoe"]
 # mixtral and granitemoe run the MoE layer of qwen3moe (whose int8 path is checked) under llama's and granite's
 # conversions (checked by the exact test); their own int8 runs would add ~50 s of compiling to the suite
 INT8_ARCHS = [a for a in ARCHS if a not in ("mixtral", "granitemoe")]
@@ -88,12 +88,13 @@ def test_int8_numerics_agree_on_top1(arch):
     assert close.mean() >= (0.95 if runner.config.num_experts else 1.0), np.flatnonzero(~close)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen3moe", "qwen2moe"])
 @pytest.mark.parametrize("numerics", ["int8", "exact"])
 def test_model_is_batch_invariant(numerics, arch):
     """Gemma 2 and 3 fixtures (sliding windows, 5x shorter than the 40 tokens; Gemma 2's scores soft-capped) and
-    Qwen3-MoE's (each expert runs on the tokens that picked it, so its products see different row counts):
-    one token per step == the whole prompt at once == ragged chunks beside another request, bit for bit."""
+    Qwen3-MoE's and Qwen2-MoE's (each expert runs on the tokens that picked it, so its products see different row
+    counts; Qwen2-MoE's shared expert on all of them): one token per step == the whole prompt at once == ragged
+    chunks beside another request, bit for bit."""
     runner = make_runner(arch, numerics)
     tokens = np.load(FIXTURES / f"{arch}_logits.npz")["tokens_long"].astype(np.int32)
     other = np.random.default_rng(5).integers(0, 300, size=40).astype(np.int32)

@@ -211,13 +211,14 @@ def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path
 @functools.cache
 def layer(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arch: tuple):
     """The compiled layer for four product keys (qkv, o, gate_up, down), or five for a mixture-of-experts
-    layer (qkv, o, an expert's gate_up, an expert's down, the router: engine/kernels/moe.py), with the
-    attention block of `attention_block`."""
+    layer (qkv, o, an expert's gate_up, an expert's down, the router: engine/kernels/moe.py) and seven for one
+    with a shared expert (its gate_up and down after those), with the attention block of `attention_block`."""
     from engine.kernels import moe
 
-    bind = {name: product(key, path) for name, key in zip(("_gu", "_down", "_router"), products[2:])}
+    names = ("_gu", "_down", "_router", "_gu_sh", "_down_sh")
+    bind = {name: product(key, path) for name, key in zip(names, products[2:] + products[2:4])}  # moe: w[10]
     bind.update(_attn_block=attention_block(products[:2], kv_dtype, vector_attention, path, arch), **_arch_parts(arch))
-    body = moe._layer_moe if len(products) == 5 else _layer
+    body = moe._layer_moe if len(products) >= 5 else _layer
     return specialize(body, path, bind, tag=_tag(products, kv_dtype, vector_attention, arch), parallel=False)
 
 

@@ -22,6 +22,8 @@ people download load as they are:
               the period per architecture (no GGUF key), 0: every layer rotates.
   residual_scale  each sublayer's output times `{arch}.residual_scale` before the residual add (Granite;
               its `embedding_scale`, `attention.scale` and `logit_scale` are read for any architecture).
+  expert_norm a mixture of experts' chosen weights divided by their sum when the file does not say
+              (`{arch}.expert_weights_norm`): llama.cpp hard-codes it per architecture (off for Qwen2-MoE).
   width_scaled_at  block counts at which attention scores are scaled by 1/sqrt(hidden // heads) instead of
               1/sqrt(head_dim) when the file gives no `{arch}.attention.scale`: Gemma 2 and 3 27B, whose
               query_pre_attn_scalar is hidden / heads (144, 168). GGUF has no key for it, so llama.cpp picks
@@ -52,6 +54,7 @@ class Architecture:
     no_rope_period: int = 0
     residual_scale: bool = False
     width_scaled_at: tuple[int, ...] = ()
+    expert_norm: bool = True
 
     def __post_init__(self):
         assert self.rope in ROPE_STYLES and self.activation in ACTIVATIONS, self
@@ -75,6 +78,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2", rope="neox", qkv_bias=True),
         Architecture("qwen3", rope="neox", qk_norm=True),
         Architecture("qwen3moe", rope="neox", qk_norm=True),  # Qwen3's attention, experts in the FFN (ModelConfig)
+        # Qwen1.5-MoE, Qwen2-57B-A14B: Qwen2's attention; experts not renormalized, and a gated shared expert
+        Architecture("qwen2moe", rope="neox", qkv_bias=True, expert_norm=False),
         # Phi-3 / 3.5 / 4-mini: q, k, v and gate, up stored fused (gguf_loader.stacked_names). Its files carry a
         # sliding_window (2047 in Phi-3-mini); llama.cpp ignores it (ggml-org/llama.cpp#13676), and so do we.
         Architecture("phi3", rope="neox"),

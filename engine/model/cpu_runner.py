@@ -137,8 +137,9 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         rows_h, rows_q, rows_i = self.layer_rows()
         w_qkv, w_o, w_gu, w_down = layer[1], layer[2], layer[4], layer[5]
         if isinstance(w_gu, moe.MoeWeights):
+            shared = [] if w_gu.shared_down is None else [(w_gu.shared_gate_up, rows_h), (w_gu.shared_down, rows_i)]
             return [(w_qkv, rows_h), (w_o, rows_q), (w_gu.gate_up[0], rows_h), (w_gu.down[0], rows_i),
-                    (w_gu.router, self._router_input(w_gu))]
+                    (w_gu.router, self._router_input(w_gu)), *shared]
         return [(w_qkv, rows_h), (w_o, rows_q), (w_gu, rows_h), (w_down, rows_i)]
 
     def _alloc_activations(self) -> None:
@@ -152,7 +153,8 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
         self.gate_up = np.zeros((n, 2 * self.ffn_size), np.float32)
         self.act = np.zeros((n, self.ffn_size), np.float32)
         if cfg.num_experts:
-            self.moe_scratch = moe.scratch(n, cfg.hidden_size, cfg.num_experts, cfg.num_experts_used)
+            self.moe_scratch = moe.scratch(n, cfg.hidden_size, cfg.num_experts, cfg.num_experts_used,
+                                           bool(cfg.shared_expert_intermediate_size))
         self.logits = np.zeros((n, cfg.vocab_size), np.float32)
         self.hidden = np.zeros((n, cfg.hidden_size), np.float32)  # final-normed rows, when captured
         self.req_of_token = np.zeros(n, np.int32)
@@ -180,6 +182,10 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                       self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(self.ffn_size))
         # the MoE routers' input buffers, by whether a router runs on the float kernels (llama.cpp leaves them F32)
         kinds = {isinstance(layer[4].router, PackedWeight) for layer in self.layers if isinstance(layer[4], moe.MoeWeights)}
+        shared = cfg.shared_expert_intermediate_size
+        n = self.cache.max_num_batched_tokens  # a shared expert's own gate_up, act and product input buffers
+        self._shared_bufs = (np.zeros((n, 2 * shared), np.float32), np.zeros((n, shared), np.float32),
+                             self._rows(shared)) if shared else self._bufs[5:7] + self._bufs[9:10]
         self._router_rows = {on_float: self._rows(cfg.hidden_size, on_float) for on_float in kinds}
         vector = self.vector_attention = vector_shapes(cfg.head_dim, self.cache.block_size)
         arch = layer_kernels.arch_key(cfg.arch)
@@ -194,9 +200,13 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                 unrotated = cos, sin = unrotated or (np.ones_like(cos), np.zeros_like(sin))
             args = (attn_norm, *(layer_kernels.product_args(w) for w in (w_qkv, w_o)), ffn_norm,
                     *self._ffn_args(w_gu, w_down), *self.layer_kv(i), (*parts, cos, sin, window))
-            if isinstance(w_gu, moe.MoeWeights):  # w[9] (engine/kernels/moe.py)
+            if isinstance(w_gu, moe.MoeWeights):  # w[9], w[10] (engine/kernels/moe.py)
+                shared = w_gu.shared_down is not None
                 args += ((layer_kernels.product_args(w_gu.router), self._router_input(w_gu), cfg.num_experts_used,
-                          cfg.expert_weights_norm, self.moe_scratch),)
+                          cfg.expert_weights_norm, self.moe_scratch, shared),
+                         (*(layer_kernels.product_args(w) for w in ((w_gu.shared_gate_up, w_gu.shared_down)
+                                                                     if shared else (w_gu.gate_up[0], w_gu.down[0]))),
+                          *(self._shared_bufs if shared else self._bufs[5:7] + self._bufs[9:10])))
             run_layer = layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch)
             self._layer_calls.append((run_layer, layer_kernels.layer_args(self._bufs, args)))
         self._layer_entries = {}  # _array_kinds of a forward's batch arrays -> each layer's compiled entry

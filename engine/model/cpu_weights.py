@@ -15,6 +15,7 @@ import numpy as np
 from engine.kernels import layer as layer_kernels
 from engine.kernels.linear import pack_gguf_rows, pack_gguf_tensor
 from engine.kernels.moe import MoeWeights
+from engine.kernels.weights import RawTensor
 from engine.model.gguf_loader import GGUFModel, ModelConfig
 
 
@@ -47,13 +48,27 @@ def ffn_weights(model: GGUFModel, cfg: ModelConfig, i: int, numerics: str) -> tu
                              "models mixing the two are not supported")
         return (pack_gguf_rows([model.tensor(n) for n in model.stacked_names(i, "gate_up")], numerics),
                 pack_gguf_tensor(model.tensor(f"blk.{i}.ffn_down.weight"), numerics))
-    router, gate_up, down = experts
+    router, gate_up, down, shared = experts
+    shared_gu = shared_down = None
+    if shared is not None:  # its gate's row joins the router's: one product gives both (moe._layer_moe)
+        gate_row, *shared_gud = shared
+        router = _with_row(router, gate_row)
+        shared_gu, shared_down = pack_gguf_rows(shared_gud[:2], numerics), pack_gguf_tensor(shared_gud[2], numerics)
     moe = MoeWeights(pack_gguf_tensor(router, numerics), tuple(pack_gguf_rows(list(gu), numerics) for gu in gate_up),
-                     tuple(pack_gguf_tensor(d, numerics) for d in down))
+                     tuple(pack_gguf_tensor(d, numerics) for d in down), shared_gu, shared_down)
     for name, ws in (("gate/up", moe.gate_up), ("down", moe.down)):
         if len({layer_kernels.product_key(w) for w in ws}) > 1:
             raise ValueError(f"{model.path.name}: layer {i}'s experts' {name} weights differ in format")
     return moe, None
+
+
+def _with_row(tensor, row: np.ndarray) -> RawTensor:
+    """A router [experts, hidden] with one more row, as float32 (llama.cpp's converter leaves routers F32)."""
+    import gguf
+
+    dense = np.asarray(gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type), np.float32)
+    dense = np.concatenate([dense.reshape(-1, len(row)), row[None].astype(np.float32)])  # [experts + 1, hidden]
+    return RawTensor(tensor.name, gguf.GGMLQuantizationType.F32, (len(row), len(dense)), dense)
 
 
 def streamed_bytes(layer: tuple, top_k: int) -> int:

@@ -56,6 +56,7 @@ class ModelConfig:
     num_experts_used: int = 0  # experts each token runs (the router's top k)
     expert_intermediate_size: int = 0  # an expert's FFN width
     expert_weights_norm: bool = True  # the top k's softmax weights renormalized to sum to 1
+    shared_expert_intermediate_size: int = 0  # a shared expert every token runs, gated (Qwen2-MoE); 0: none
 
     def window(self, layer: int) -> int:
         """Keys that `layer` attends to, itself included (0: all of them)."""
@@ -145,8 +146,9 @@ class GGUFModel:
 
     def _read_experts(self, arch: str) -> dict:
         """ModelConfig's mixture-of-experts fields: softmax gating over `expert_count` experts, each token
-        running its top `expert_used_count`, their weights renormalized (llama.cpp's choice for Mixtral and
-        Qwen3-MoE, overridden by `expert_weights_norm` where a file has it)."""
+        running its top `expert_used_count`, their weights renormalized as the architecture does (llama.cpp
+        hard-codes it: on for Mixtral and Qwen3-MoE, off for Qwen2-MoE; `expert_weights_norm` decides where a
+        file has it), and the width of a shared expert (`expert_shared_feed_forward_length`) if the file has one."""
         r = self.metadata
         num = int(_field(r, f"{arch}.expert_count", 0))
         if not num:
@@ -160,7 +162,9 @@ class GGUFModel:
         return dict(num_experts=num, num_experts_used=used,
                     expert_intermediate_size=int(_field(r, f"{arch}.expert_feed_forward_length",
                                                         _field(r, f"{arch}.feed_forward_length"))),
-                    expert_weights_norm=bool(_field(r, f"{arch}.expert_weights_norm", True)))
+                    expert_weights_norm=bool(_field(r, f"{arch}.expert_weights_norm", architecture(arch).expert_norm)),
+                    shared_expert_intermediate_size=int(_field(r, f"{arch}.expert_shared_feed_forward_length",
+                                                               self._shared_width())))
 
     def _local_layers(self, decl: Architecture, num_layers: int) -> tuple[int, ...]:
         """The sliding-window layers: the file's `sliding_window_pattern` (a period, or one flag per
@@ -197,8 +201,9 @@ class GGUFModel:
         return [p + "ffn_up.weight"]
 
     def experts(self, layer: int) -> tuple | None:
-        """A mixture-of-experts layer's (router [experts, hidden], [gate, up] per expert, down per expert) as 2-D
-        tensors (the file stacks each kind's experts in one 3-D tensor); None for a dense layer."""
+        """A mixture-of-experts layer's (router [experts, hidden], [gate, up] per expert, down per expert, shared
+        expert or None) as 2-D tensors (the file stacks each kind's experts in one 3-D tensor); None for a dense
+        layer."""
         from engine.kernels.weights import expert_matrix  # numba: not for the gateway's imports of this module
 
         p = f"blk.{layer}."
@@ -211,7 +216,25 @@ class GGUFModel:
                 raise ValueError(f"{self.path.name}: {t.name} has shape {[int(d) for d in t.shape]}, "
                                  f"not [.., .., {cfg.num_experts}]")
         gate, up, down = ([expert_matrix(t, e) for e in range(cfg.num_experts)] for t in stacks)
-        return self.tensor(p + "ffn_gate_inp.weight"), list(zip(gate, up)), down
+        return self.tensor(p + "ffn_gate_inp.weight"), list(zip(gate, up)), down, self._shared_expert(layer)
+
+    def _shared_width(self) -> int:
+        """The width of layer 0's shared expert, for a file without `expert_shared_feed_forward_length` (0: none)."""
+        down = self.tensors.get("blk.0.ffn_down_shexp.weight")
+        return 0 if down is None else int(down.shape[0])
+
+    def _shared_expert(self, layer: int) -> tuple | None:
+        """A layer's shared expert as (its gate's row [hidden] float32, gate, up, down tensors), or None."""
+        p = f"blk.{layer}."
+        names = [p + f"ffn_{kind}_shexp.weight" for kind in ("gate", "up", "down")]
+        have = [n in self.tensors for n in names]
+        if not any(have):
+            return None
+        if not all(have) or p + "ffn_gate_inp_shexp.weight" not in self.tensors:
+            raise ValueError(f"{self.path.name}: layer {layer}'s shared expert needs ffn_gate_shexp, ffn_up_shexp, "
+                             "ffn_down_shexp and ffn_gate_inp_shexp")
+        gate_row = self.dense(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+        return (gate_row, *(self.tensor(n) for n in names))
 
     def dense(self, name: str) -> np.ndarray:
         """A tensor dequantized to float32 in logical (row-major, ggml-reversed) shape."""
