@@ -182,10 +182,10 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                       self._rows(cfg.hidden_size), self._rows(cfg.q_size), self._rows(self.ffn_size))
         # the MoE routers' input buffers, by whether a router runs on the float kernels (llama.cpp leaves them F32)
         kinds = {isinstance(layer[4].router, PackedWeight) for layer in self.layers if isinstance(layer[4], moe.MoeWeights)}
-        shared = cfg.shared_expert_intermediate_size
-        n = self.cache.max_num_batched_tokens  # a shared expert's own gate_up, act and product input buffers
-        self._shared_bufs = (np.zeros((n, 2 * shared), np.float32), np.zeros((n, shared), np.float32),
-                             self._rows(shared)) if shared else self._bufs[5:7] + self._bufs[9:10]
+        shared_ff, n = cfg.shared_expert_intermediate_size, self.cache.max_num_batched_tokens
+        # a shared expert's own gate_up, act and product input buffers (without one, the routed experts', unused)
+        self._shared_bufs = (np.zeros((n, 2 * shared_ff), np.float32), np.zeros((n, shared_ff), np.float32),
+                             self._rows(shared_ff)) if shared_ff else self._bufs[5:7] + self._bufs[9:10]
         self._router_rows = {on_float: self._rows(cfg.hidden_size, on_float) for on_float in kinds}
         vector = self.vector_attention = vector_shapes(cfg.head_dim, self.cache.block_size)
         arch = layer_kernels.arch_key(cfg.arch)
@@ -206,7 +206,7 @@ class CpuRunner:  # implements engine.model.runner_api.ModelRunner
                           cfg.expert_weights_norm, self.moe_scratch, shared),
                          (*(layer_kernels.product_args(w) for w in ((w_gu.shared_gate_up, w_gu.shared_down)
                                                                      if shared else (w_gu.gate_up[0], w_gu.down[0]))),
-                          *(self._shared_bufs if shared else self._bufs[5:7] + self._bufs[9:10])))
+                          *self._shared_bufs))
             run_layer = layer_kernels.layer(keys, self.kv_cache_dtype, vector, path, arch)
             self._layer_calls.append((run_layer, layer_kernels.layer_args(self._bufs, args)))
         self._layer_entries = {}  # _array_kinds of a forward's batch arrays -> each layer's compiled entry
