@@ -2,9 +2,10 @@
 
 import os
 
-from engine.jit_cache import use_versioned_numba_cache
+from engine.jit_cache import lock_cache_writes, use_versioned_numba_cache
 
 # Numba turns LLVM's SLP vectoriser off by default; the strip-packed weight kernels need it
 # (see shared/CPU-KERNELS.md). It must be set before numba is first imported.
 os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
 use_versioned_numba_cache()
+lock_cache_writes()

@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.abc
+import importlib.util
+import itertools
 import os
 import shutil
 import sys
@@ -127,3 +130,72 @@ def held_lock_fd() -> int | None:
     process dies first, so no other engine compiles beside an orphaned helper."""
     handle = getattr(_held, "handle", None)
     return handle.fileno() if handle is not None else None
+
+
+# ---------------------------------------------------------------- cache writes that two processes can share
+
+
+def _locked_save(self, key, data) -> None:
+    """Numba's IndexDataCacheFile.save, made safe for processes compiling side by side.
+
+    Numba reads the index, picks a free data file name, writes the index, then the code, with no lock:
+    two processes saving at once can both pick one name, and the index then names a file holding the
+    other function's code (numba issue #4807). Here the whole save holds the folder's save lock, and the
+    code is written before the index that names it, so a reader never finds an entry without its code.
+    """
+    try:
+        handle = open(os.path.join(os.path.dirname(self._index_path), ".save.lock"), "a")
+    except OSError:  # a read-only folder: Numba cannot save there either; let it fail as it would
+        handle = None
+    try:
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        overloads = self._load_index()
+        name = overloads.get(key)
+        if name is None:
+            taken = set(overloads.values())
+            name = next(n for n in map(self._data_name, itertools.count(1)) if n not in taken)
+            overloads[key] = name
+        self._save_data(name, data)
+        self._save_index(overloads)
+    finally:
+        if handle is not None:
+            handle.close()  # releases the lock
+
+
+def _lock_saves(caching) -> None:
+    caching.IndexDataCacheFile.save = _locked_save
+
+
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs `then(module)` right after the module `name` is first executed (wrapping its own loader)."""
+
+    def __init__(self, name: str, then):
+        self.name, self.then, self.loader = name, then, None
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name or self.loader is not None:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # the module's own loader again
+        self.then(module)
+
+
+def lock_cache_writes() -> None:
+    """Make every Numba cache save in this process hold the cache folder's save lock (see _locked_save),
+    now if Numba's caching module is loaded, else as soon as it is."""
+    if "numba.core.caching" in sys.modules:
+        _lock_saves(sys.modules["numba.core.caching"])
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("numba.core.caching", _lock_saves))

@@ -1,6 +1,7 @@
 """Engines build their kernels one process at a time (engine.jit_cache.compile_lock): another process
 holding the cache folder's lock makes a second wait; the lock is re-entrant within a process. The cache
-folder itself is versioned by every source a kernel is built from."""
+folder itself is versioned by every source a kernel is built from, and processes saving entries into one
+cache index at once lose none and never mix up their files (engine.jit_cache.lock_cache_writes)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,29 @@ def test_the_models_layers_load_back_from_the_kernel_cache(engine):
         assert run.signatures, run.py_func.__name__
         for sig in run.signatures:
             assert run._cache.load_overload(sig, run.targetctx) is not None, run.py_func.__name__
+
+
+SAVER = """
+import sys
+import engine  # locks Numba's cache saves, as in every process that imports the engine
+from numba.core.caching import IndexDataCacheFile
+folder, tag, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+index = IndexDataCacheFile(folder, "shared", "stamp")
+for i in range(count):
+    index.save((tag, i), (tag, i, "code"))
+"""
+
+
+def test_processes_saving_into_one_cache_index_lose_no_entry(tmp_path):
+    """Four processes each save 60 entries into one Numba index file at once (two compiling workers whose
+    functions share a source file). Unlocked, Numba's read-modify-write of the index drops other processes'
+    entries and can point one entry at another's code file; here every entry is kept with its own code."""
+    from numba.core.caching import IndexDataCacheFile
+
+    tags, count = ("a", "b", "c", "d"), 60
+    savers = [subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path), tag, str(count)]) for tag in tags]
+    assert [p.wait(timeout=120) for p in savers] == [0] * len(tags)
+    index = IndexDataCacheFile(str(tmp_path), "shared", "stamp")
+    for tag in tags:
+        for i in range(count):
+            assert index.load((tag, i)) == (tag, i, "code"), (tag, i)
