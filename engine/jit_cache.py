@@ -163,8 +163,15 @@ def _locked_save(self, key, data) -> None:
             handle.close()  # releases the lock
 
 
+_SAVE_PARTS = ("save", "_load_index", "_data_name", "_save_data", "_save_index")  # what _locked_save relies on
+
+
 def _lock_saves(caching) -> None:
-    caching.IndexDataCacheFile.save = _locked_save
+    """Install _locked_save, unless this Numba's cache class lacks a part it uses (a later release may rename
+    them): then Numba keeps its own save, as unsafe as before but working."""
+    cls = getattr(caching, "IndexDataCacheFile", None)
+    if cls is not None and all(hasattr(cls, part) for part in _SAVE_PARTS):
+        cls.save = _locked_save
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -95,3 +95,19 @@ def test_processes_saving_into_one_cache_index_lose_no_entry(tmp_path):
     for tag in tags:
         for i in range(count):
             assert index.load((tag, i)) == (tag, i, "code"), (tag, i)
+
+
+def test_a_numba_without_the_parts_the_locked_save_uses_keeps_its_own():
+    """A later Numba that renamed the cache class's helpers keeps its own save instead of failing on import."""
+    from types import SimpleNamespace
+
+    from engine.jit_cache import _lock_saves
+
+    class Index:
+        def save(self, key, data):
+            pass
+
+    own = Index.save
+    _lock_saves(SimpleNamespace(IndexDataCacheFile=Index))
+    assert Index.save is own
+    _lock_saves(SimpleNamespace())  # no such class at all: nothing to patch, no error
