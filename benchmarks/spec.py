@@ -13,8 +13,10 @@ equal the baseline's (greedy speculation must be lossless), and where a step's t
 sampling keeps the distribution, not the tokens (the tests check the distribution).
 
 Fairness: one engine per method, built once; every engine is warmed up on every prompt first
-(JIT compiled, prompt KV in the prefix cache), the methods run interleaved per category (with
-`--repeats`, each repeat goes round all methods before the next; the fastest repeat counts), and
+(JIT compiled, prompt KV in the prefix cache), each method's block runs between two baseline
+blocks on the same prompts (`spec_pairs`: the *paired* speedup, the median over `--repeats` of a
+block's tok/s over its two neighbours', which the targets use; `speedup` is the fastest repeat of
+the method over the fastest of the baseline's blocks), and
 each block starts from a fresh proposer, so a suffix cache only holds responses of the same
 block (cross-request reuse inside a category, nothing from earlier blocks or repeats). All
 speculative engines share one verify curve (the per-T median of their start-up measurements), so
@@ -34,7 +36,7 @@ from types import SimpleNamespace
 import msgspec
 import numpy as np
 
-from benchmarks import report
+from benchmarks import report, spec_pairs
 from benchmarks.cpu_share import OtherLoad
 from benchmarks.prompts import BenchPrompt, builtin_prompts, by_category, load_prompts, select
 from benchmarks.spec_timing import block_raw, instrument, reset_proposer
@@ -208,13 +210,15 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         warm_up(engine, prompts, concurrency, max_tokens)
     sampled = temperature > 0.0
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed if sampled else None)
-    # repeats go round all the methods in turn, so a slow spell of the machine hits every method alike
-    blocks = [(mode, n, cat, label) for mode, n in modes for cat in groups for _ in range(repeats) for label in engines]
-    raw, others = {}, OtherLoad()
-    for mode, n, cat, label in _progress(blocks, progress):
+    # every method block runs between two baseline blocks (spec_pairs), so a slow spell hits both sides of a pair
+    blocks = spec_pairs.block_order(modes, list(groups), repeats, list(engines), baselines[0])
+    raw, runs, others = {}, [], OtherLoad()
+    for mode, n, cat, label, r in _progress(blocks, progress):
         run = run_block(engines[label], groups[cat], params, n)
+        runs.append(((mode, cat, label, r), run))
         if (mode, cat, label) not in raw or run["wall_s"] < raw[(mode, cat, label)]["wall_s"]:
             raw[(mode, cat, label)] = run  # the fastest repeat
+    paired = spec_pairs.paired_speedups(runs, baselines[0], list(groups))
     return {
         "config": {
             "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats, "temperature": temperature,
@@ -225,7 +229,7 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         },
         "baseline": baselines[0],
         "methods": {label: _spec_dict(e) for label, e in engines.items()},
-        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines)),
+        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines), paired),
     }
 
 

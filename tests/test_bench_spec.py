@@ -166,7 +166,8 @@ def test_json_markdown_and_table(result, tmp_path):
     assert "suffix >= ngram on agent_json (batch1)" in names
     md = (tmp_path / "spec.md").read_text()
     assert "## batch1" in md and "## concurrent" in md
-    assert "| category | method | AL | tok/step | accept | tok/s | speedup | from grammar | identical | propose ms/step |" in md
+    assert ("| category | method | AL | tok/step | accept | tok/s | speedup | paired | from grammar | identical "
+            "| propose ms/step |") in md
     table = report.format_table(result)
     assert all(f" {m} " in table for m in ("none", "ngram", "suffix")) and "targets:" in table
 
@@ -231,3 +232,50 @@ def test_the_load_note_follows_the_measured_cpu_of_other_processes():
     assert report._load_note({**lingering, "other_cpu_cores": 0.05}) is None
     assert "0.9 cores" in report._load_note({**lingering, "other_cpu_cores": 0.9})
     assert "load average" in report._load_note(lingering)  # not measured (no /proc/stat): the load averages decide
+
+
+def test_every_method_block_runs_between_two_baseline_blocks():
+    from benchmarks.spec_pairs import block_order
+
+    order = block_order([("batch1", 1), ("concurrent", 2)], ["code_edit", "open_chat"], 2, ["none", "a", "b"], "none")
+    for i, (mode, _, cat, label, _) in enumerate(order):
+        if label != "none":
+            assert order[i - 1][:4] == order[i + 1][:4] == (mode, order[i][1], cat, "none")
+    methods = [(o[0], o[2], o[3]) for o in order if o[3] != "none"]
+    assert sorted(set(methods)) == sorted({(m, c, x) for m in ("batch1", "concurrent")
+                                           for c in ("code_edit", "open_chat") for x in "ab"})
+    assert all(methods.count(k) == 2 for k in set(methods))  # one block a repeat
+    assert len(order) == 2 * 2 * (1 + 2 * 2 * 2)
+    assert block_order([("batch1", 1)], ["x"], 3, ["none"], "none") == [("batch1", 1, "x", "none", r) for r in range(3)]
+
+
+def test_paired_speedup_is_the_median_over_repeats_of_a_block_over_its_neighbours():
+    from benchmarks.spec_pairs import paired_speedups
+
+    def run(tokens, seconds):
+        return {"output_tokens": tokens, "wall_s": seconds}
+
+    # one category, method "a", three repeats; the machine slows down between repeats
+    runs = [(("b1", "c", "none", 0), run(100, 1.0)), (("b1", "c", "a", 0), run(100, 0.5)),
+            (("b1", "c", "none", 0), run(100, 3.0)),  # neighbours 1.0 s and 3.0 s: 200 tok / 4 s; a 200/50 = 4.0
+            (("b1", "c", "a", 1), run(100, 1.5)), (("b1", "c", "none", 1), run(100, 3.0)),  # 66.7 over 200/6: 2.0
+            (("b1", "c", "a", 2), run(90, 2.0)), (("b1", "c", "none", 2), run(100, 2.0))]  # 45 over 200/5: 1.125
+    got = paired_speedups(runs, "none", ["c"])
+    assert got[("b1", "c", "a")] == pytest.approx(2.0)  # the median of 4.0, 2.0, 1.125
+    assert got[("b1", "all", "a")] == pytest.approx(2.0)  # one category: the same pairs
+    # two categories: "all" sums each repeat's tokens and seconds over the categories before its ratio
+    two = [(("b1", cat, label, 0), run(tokens, seconds))
+           for cat, tokens, base_s, method_s in (("x", 10, 1.0, 0.5), ("y", 30, 2.0, 3.0))
+           for label, seconds in (("none", base_s), ("a", method_s), ("none", base_s))]
+    got = paired_speedups(two, "none", ["x", "y"])
+    assert got[("b1", "x", "a")] == pytest.approx(2.0) and got[("b1", "y", "a")] == pytest.approx(2 / 3)
+    assert got[("b1", "all", "a")] == pytest.approx((40 / 3.5) / (80 / 6.0))
+
+
+def test_rows_carry_the_paired_speedup_and_the_table_shows_it(result):
+    for row in result["rows"]:
+        if row["method"] == "none":
+            assert row["paired_speedup"] == 1.0
+        else:
+            assert row["paired_speedup"] is not None and row["paired_speedup"] > 0, row
+    assert "paired" in report.format_table(result).splitlines()[2]
