@@ -218,7 +218,7 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         runs.append(((mode, cat, label, r), run))
         if (mode, cat, label) not in raw or run["wall_s"] < raw[(mode, cat, label)]["wall_s"]:
             raw[(mode, cat, label)] = run  # the fastest repeat
-    paired = spec_pairs.paired_speedups(runs, baselines[0], list(groups))
+    ratios = spec_pairs.paired_ratios(runs, baselines[0], list(groups))
     return {
         "config": {
             "max_tokens": max_tokens, "concurrency": concurrency, "repeats": repeats, "temperature": temperature,
@@ -229,7 +229,9 @@ def run_spec_bench(engines: Mapping[str, object], prompts: list[BenchPrompt], *,
         },
         "baseline": baselines[0],
         "methods": {label: _spec_dict(e) for label, e in engines.items()},
-        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines), paired),
+        "rows": report.make_rows(raw, baselines[0], [m for m, _ in modes], list(groups), list(engines),
+                                 spec_pairs.paired_speedups(ratios)),
+        "paired_ratios": {"/".join(key): [round(r, 4) for r in vals] for key, vals in ratios.items()},
     }
 
 

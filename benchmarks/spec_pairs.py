@@ -41,10 +41,10 @@ def _speed(runs: list[dict]) -> float | None:
     return sum(run["output_tokens"] for run in runs) / seconds if seconds else None
 
 
-def paired_speedups(runs: list[tuple[tuple[str, str, str, int], dict]], baseline: str,
-                    categories: Sequence[str]) -> dict[tuple[str, str, str], float]:
+def paired_ratios(runs: list[tuple[tuple[str, str, str, int], dict]], baseline: str,
+                  categories: Sequence[str]) -> dict[tuple[str, str, str], list[float]]:
     """runs: ((mode, category, label, repeat), block raw) in run order -> {(mode, category or "all", label):
-    the median over repeats of the method's tok/s over the tok/s of the baseline blocks beside it}."""
+    per repeat, the method's tok/s over the tok/s of the baseline blocks beside it}."""
     pairs: dict[tuple[str, str, str, int], tuple[dict, list[dict]]] = {}
     for i, ((mode, cat, label, r), run) in enumerate(runs):
         if label == baseline:
@@ -61,7 +61,12 @@ def paired_speedups(runs: list[tuple[tuple[str, str, str, int], dict]], baseline
         if all(members):
             ratios.setdefault((mode, "all", label), []).append(
                 _ratio([run for run, _ in members], [b for _, bases in members for b in bases]))
-    return {key: statistics.median(vals) for key, vals in ratios.items() if None not in vals}
+    return {key: vals for key, vals in ratios.items() if None not in vals}
+
+
+def paired_speedups(ratios: dict[tuple[str, str, str], list[float]]) -> dict[tuple[str, str, str], float]:
+    """The median of each row's paired ratios."""
+    return {key: statistics.median(vals) for key, vals in ratios.items()}
 
 
 def _ratio(method_runs: list[dict], base_runs: list[dict]) -> float | None:

@@ -250,7 +250,7 @@ def test_every_method_block_runs_between_two_baseline_blocks():
 
 
 def test_paired_speedup_is_the_median_over_repeats_of_a_block_over_its_neighbours():
-    from benchmarks.spec_pairs import paired_speedups
+    from benchmarks.spec_pairs import paired_ratios, paired_speedups
 
     def run(tokens, seconds):
         return {"output_tokens": tokens, "wall_s": seconds}
@@ -260,14 +260,14 @@ def test_paired_speedup_is_the_median_over_repeats_of_a_block_over_its_neighbour
             (("b1", "c", "none", 0), run(100, 3.0)),  # neighbours 1.0 s and 3.0 s: 200 tok / 4 s; a 200/50 = 4.0
             (("b1", "c", "a", 1), run(100, 1.5)), (("b1", "c", "none", 1), run(100, 3.0)),  # 66.7 over 200/6: 2.0
             (("b1", "c", "a", 2), run(90, 2.0)), (("b1", "c", "none", 2), run(100, 2.0))]  # 45 over 200/5: 1.125
-    got = paired_speedups(runs, "none", ["c"])
+    got = paired_speedups(paired_ratios(runs, "none", ["c"]))
     assert got[("b1", "c", "a")] == pytest.approx(2.0)  # the median of 4.0, 2.0, 1.125
     assert got[("b1", "all", "a")] == pytest.approx(2.0)  # one category: the same pairs
     # two categories: "all" sums each repeat's tokens and seconds over the categories before its ratio
     two = [(("b1", cat, label, 0), run(tokens, seconds))
            for cat, tokens, base_s, method_s in (("x", 10, 1.0, 0.5), ("y", 30, 2.0, 3.0))
            for label, seconds in (("none", base_s), ("a", method_s), ("none", base_s))]
-    got = paired_speedups(two, "none", ["x", "y"])
+    got = paired_speedups(paired_ratios(two, "none", ["x", "y"]))
     assert got[("b1", "x", "a")] == pytest.approx(2.0) and got[("b1", "y", "a")] == pytest.approx(2 / 3)
     assert got[("b1", "all", "a")] == pytest.approx((40 / 3.5) / (80 / 6.0))
 
@@ -279,3 +279,4 @@ def test_rows_carry_the_paired_speedup_and_the_table_shows_it(result):
         else:
             assert row["paired_speedup"] is not None and row["paired_speedup"] > 0, row
     assert "paired" in report.format_table(result).splitlines()[2]
+    assert len(result["paired_ratios"]["batch1/open_chat/ngram"]) == 1  # one repeat: one pair
