@@ -60,7 +60,8 @@ def parse(argv):
                         "long_code, long_chat: its ~1,400-token prompts)")
     p.add_argument("--prompts", default=None, help="JSONL file of your own prompts")
     p.add_argument("--per-category", type=int, default=None, help="use at most this many prompts per category")
-    p.add_argument("--repeats", type=int, default=1, help="blocks per method and category (the paired speedup is the median over them; speedup takes the fastest)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="blocks per method and category (paired: their median; speedup: the fastest)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB per engine")

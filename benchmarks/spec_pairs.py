@@ -56,7 +56,7 @@ def paired_ratios(runs: list[tuple[tuple[str, str, str, int], dict]], baseline: 
     ratios: dict[tuple[str, str, str], list[float]] = {}
     for (mode, cat, label, r), (run, bases) in pairs.items():
         ratios.setdefault((mode, cat, label), []).append(_ratio([run], bases))
-    for mode, label, r in {(m, lab, r) for m, _, lab, r in pairs}:
+    for mode, label, r in sorted({(m, lab, r) for m, _, lab, r in pairs}, key=lambda key: key[2]):  # repeat order
         members = [pairs.get((mode, cat, label, r)) for cat in categories]
         if all(members):
             ratios.setdefault((mode, "all", label), []).append(
