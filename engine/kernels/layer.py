@@ -194,8 +194,13 @@ def _tag(products: tuple, kv_dtype: str, vector_attention: bool, arch: tuple) ->
 
 @functools.cache
 def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arch: tuple):
-    """The compiled `_attention_block` for the (qkv, o) product keys, the cache's element type (float32,
-    float16, or int8 with (values, scales) pairs as the layer's caches) and an `arch_key`."""
+    """The `_attention_block` for the (qkv, o) product keys, the cache's element type (float32, float16, or
+    int8 with (values, scales) pairs as the layer's caches) and an `arch_key`, inlined into its layer.
+
+    Numba links every callee's LLVM module into its caller's and optimizes and compiles the whole again,
+    so a separately built block cost a cold build ~10 s of LLVM on its products' and attention's code
+    (Zen 3: full module passes ~64% of a glue build, object code ~28%), and its layer then the same again.
+    Inlined, that happens once per layer."""
     write = _KV_WRITERS[kv_dtype]
     attend = attention._ATTENTION_VEC if vector_attention else attention._ATTENTION
     bind = {name: product(key, path) for name, key in zip(("_qkv", "_o"), products)}
@@ -205,7 +210,7 @@ def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path
                 _rms_s=ops._RMS_NORM[0], _rms_p=ops._RMS_NORM[1], _add_rms_s=ops._ADD_RMS_NORM[0],
                 _add_rms_p=ops._ADD_RMS_NORM[1], **_arch_parts(arch))
     tag = "attn_" + _tag(products, kv_dtype, vector_attention, arch)
-    return specialize(_attention_block, path, bind, tag=tag, parallel=False)
+    return specialize(_attention_block, path, bind, tag=tag, parallel=False, inline=True)
 
 
 @functools.cache

@@ -219,13 +219,16 @@ def specialize_family(functions: dict, path: str, constants: dict | None = None,
     return {name: env[name] for name in functions}
 
 
-def specialize(fn, path: str, bind: dict, tag: str, parallel: bool = True):
+def specialize(fn, path: str, bind: dict, tag: str, parallel: bool = True, inline: bool = False):
     """Compile driver `fn` for one path, with `bind` {global name: compiled helper} in its globals.
 
-    The clone is named after `tag` and the path, so Numba's on-disk cache keeps them apart.
+    The clone is named after `tag` and the path, so Numba's on-disk cache keeps them apart. `inline`:
+    serial glue that its callers take in at Numba's IR level instead of calling; it then builds no
+    library of its own (see engine/kernels/layer.py's `attention_block` for why that matters).
     """
     env = dict(fn.__globals__)
     env.update(PATH_OPS[path])
     env.update(bind)
     suffix = f"_{tag}_{path}" + ("" if parallel else "_serial")
-    return njit(parallel=parallel, cache=True)(_clone(fn, env, suffix))
+    options = {"inline": "always"} if inline else {"parallel": parallel}
+    return njit(cache=True, **options)(_clone(fn, env, suffix))
