@@ -199,10 +199,15 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.then(module)
 
 
+def after_import(name: str, then) -> None:
+    """Run `then(module)` on the module `name` now if it is loaded, else right after it first is."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
 def lock_cache_writes() -> None:
     """Make every Numba cache save in this process hold the cache folder's save lock (see _locked_save),
     now if Numba's caching module is loaded, else as soon as it is."""
-    if "numba.core.caching" in sys.modules:
-        _lock_saves(sys.modules["numba.core.caching"])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport("numba.core.caching", _lock_saves))
+    after_import("numba.core.caching", _lock_saves)
