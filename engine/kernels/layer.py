@@ -17,12 +17,13 @@ a part the architecture lacks is bound to a kernel that does nothing.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import numba as nb
 from numba.core import types
 from numba.experimental import structref
 
-from engine.kernels import arch_ops, attention, attention_split, float_tiles, int_linear, ops
+from engine.kernels import arch_ops, attention, attention_split, float_tiles, int_linear, ops, unlinked
 from engine.kernels.simd import specialize
 
 PARALLEL_MIN_ROWS = ops.PARALLEL_MIN_ROWS
@@ -71,6 +72,11 @@ def _exact(x, w, out, rows):
 
 
 _INT_PRODUCTS = {1: _int_product1, 2: _int_product2, 3: _int_product3}
+
+
+def _product(key: tuple, path: str):
+    """`product(key, path)` as a layer calls it: by symbol (engine.kernels.unlinked)."""
+    return unlinked.call("engine.kernels.layer", "product", args=(key, path))
 
 
 @functools.cache
@@ -165,8 +171,15 @@ def _layer(num, first, args, meta):
     _post_norm(ds, args.w[8][4], meta[4], par)  # noqa: F821
 
 
-_ROPES = {"adjacent": ops._ROPE, "neox": arch_ops._ROPE_NEOX}
-_ACTIVATIONS = {"silu": ops._SWIGLU, "gelu_tanh": arch_ops._GEGLU}
+# (module, attribute) of each part's (serial, parallel) pair; the parallel ones are called by symbol
+_ROPES = {"adjacent": ("engine.kernels.ops", "_ROPE"), "neox": ("engine.kernels.arch_ops", "_ROPE_NEOX")}
+_ACTIVATIONS = {"silu": ("engine.kernels.ops", "_SWIGLU"), "gelu_tanh": ("engine.kernels.arch_ops", "_GEGLU")}
+
+
+def _pair(where: tuple) -> tuple:
+    """(serial kernel, parallel kernel called by symbol) of the `_twice` pair at (module, attribute)."""
+    module, name = where
+    return getattr(importlib.import_module(module), name)[0], unlinked.call(module, name, item=1)
 
 
 def arch_key(arch) -> tuple:
@@ -177,14 +190,14 @@ def arch_key(arch) -> tuple:
 def _arch_parts(key: tuple) -> dict:
     rope, qkv_bias, qk_norm, post_norms, activation, residual_scale = key
     post = arch_ops.post_norm if post_norms else arch_ops.scale_output if residual_scale else arch_ops.skip_post_norm
-    return dict(_rope_s=_ROPES[rope][0], _rope_p=_ROPES[rope][1],
-                _act_s=_ACTIVATIONS[activation][0], _act_p=_ACTIVATIONS[activation][1],
+    (rope_s, rope_p), (act_s, act_p) = _pair(_ROPES[rope]), _pair(_ACTIVATIONS[activation])
+    return dict(_rope_s=rope_s, _rope_p=rope_p, _act_s=act_s, _act_p=act_p,
                 _bias=arch_ops.add_bias if qkv_bias else arch_ops.skip_bias,
                 _head_norms=arch_ops.head_norms if qk_norm else arch_ops.skip_head_norms,
                 _post_norm=post)
 
 
-_KV_WRITERS = {"float32": attention._WRITE_KV, "float16": attention._WRITE_KV_F16, "int8": attention._WRITE_KV_Q8}
+_KV_WRITERS = {"float32": "_WRITE_KV", "float16": "_WRITE_KV_F16", "int8": "_WRITE_KV_Q8"}  # in engine.kernels.attention
 
 
 def _tag(products: tuple, kv_dtype: str, vector_attention: bool, arch: tuple) -> str:
@@ -201,14 +214,17 @@ def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path
     (a layer's cold build on the Zen 3: LLVM's module passes ~64% of it, object code ~28%, its own IR
     little), so a separately built block cost ~10 s on its products' and attention's code, and its layer
     then the same again. Inlined, that happens once per layer (journal, thirty-sixth session)."""
-    write = _KV_WRITERS[kv_dtype]
-    attend = attention._ATTENTION_VEC if vector_attention else attention._ATTENTION
-    bind = {name: product(key, path) for name, key in zip(("_qkv", "_o"), products)}
-    bind.update(_write_s=write[0], _write_p=write[1], _attend_s=attend[0], _attend_p=attend[1],
-                _attend_split=attention_split.decode_attention,
+    attend = "_ATTENTION_VEC" if vector_attention else "_ATTENTION"
+    bind = {name: _product(key, path) for name, key in zip(("_qkv", "_o"), products)}
+    bind.update(_write_s=getattr(attention, _KV_WRITERS[kv_dtype])[0],
+                _write_p=unlinked.call("engine.kernels.attention", _KV_WRITERS[kv_dtype], item=1),
+                _attend_s=unlinked.call("engine.kernels.attention", attend, item=0),
+                _attend_p=unlinked.call("engine.kernels.attention", attend, item=1),
+                _attend_split=unlinked.call("engine.kernels.attention_split", "decode_attention"),
                 _splits=attention_split.splits if vector_attention else attention_split.never,
-                _rms_s=ops._RMS_NORM[0], _rms_p=ops._RMS_NORM[1], _add_rms_s=ops._ADD_RMS_NORM[0],
-                _add_rms_p=ops._ADD_RMS_NORM[1], **_arch_parts(arch))
+                _rms_s=ops._RMS_NORM[0], _rms_p=unlinked.call("engine.kernels.ops", "_RMS_NORM", item=1),
+                _add_rms_s=ops._ADD_RMS_NORM[0], _add_rms_p=unlinked.call("engine.kernels.ops", "_ADD_RMS_NORM", item=1),
+                **_arch_parts(arch))
     tag = "attn_" + _tag(products, kv_dtype, vector_attention, arch)
     return specialize(_attention_block, path, bind, tag=tag, parallel=False, inline=True)
 
@@ -221,7 +237,7 @@ def layer(products: tuple, kv_dtype: str, vector_attention: bool, path: str, arc
     from engine.kernels import moe
 
     names = ("_gu", "_down", "_router", "_gu_sh", "_down_sh")
-    bind = {name: product(key, path) for name, key in zip(names, products[2:] + products[2:4])}  # moe: w[10]
+    bind = {name: _product(key, path) for name, key in zip(names, products[2:] + products[2:4])}  # moe: w[10]
     bind.update(_attn_block=attention_block(products[:2], kv_dtype, vector_attention, path, arch), **_arch_parts(arch))
     body = moe._layer_moe if len(products) >= 5 else _layer
     return specialize(body, path, bind, tag=_tag(products, kv_dtype, vector_attention, arch), parallel=False)
