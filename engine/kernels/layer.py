@@ -210,10 +210,11 @@ def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path
     """The `_attention_block` for the (qkv, o) product keys, the cache's element type (float32, float16, or
     int8 with (values, scales) pairs as the layer's caches) and an `arch_key`, inlined into its layer.
 
-    Numba links every callee's LLVM module into its caller's and optimizes and compiles the whole again
-    (a layer's cold build on the Zen 3: LLVM's module passes ~64% of it, object code ~28%, its own IR
-    little), so a separately built block cost ~10 s on its products' and attention's code, and its layer
-    then the same again. Inlined, that happens once per layer (journal, thirty-sixth session)."""
+    Numba links every callee's LLVM module into its caller's and optimizes and compiles the whole again,
+    so the products, the attention kernels and the parallel small kernels are called by symbol
+    (engine.kernels.unlinked): a layer's cold build is then mostly its own code, 4.5 s against 31-34 s
+    before with the machine shared (Zen 3, journal). The serial small kernels stay linked (LLVM may inline
+    them; they are cheap to build again)."""
     attend = "_ATTENTION_VEC" if vector_attention else "_ATTENTION"
     bind = {name: _product(key, path) for name, key in zip(("_qkv", "_o"), products)}
     bind.update(_write_s=getattr(attention, _KV_WRITERS[kv_dtype])[0],
