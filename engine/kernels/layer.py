@@ -213,8 +213,8 @@ def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path
     Numba links every callee's LLVM module into its caller's and optimizes and compiles the whole again,
     so the products, the attention kernels and the parallel small kernels are called by symbol
     (engine.kernels.unlinked): LLVM's time in a layer's cold build fell from 36.8 to 3.5 s, the build
-    from 31-34 to 7.5-7.9 s with the machine shared (Zen 3, journal). The serial small kernels stay linked (LLVM may inline
-    them; they are cheap to build again)."""
+    from 31-34 to 7.5-7.9 s with the machine shared (Zen 3, journal). The serial small kernels stay
+    linked (LLVM may inline them; they are cheap to build again)."""
     attend = "_ATTENTION_VEC" if vector_attention else "_ATTENTION"
     bind = {name: _product(key, path) for name, key in zip(("_qkv", "_o"), products)}
     bind.update(_write_s=getattr(attention, _KV_WRITERS[kv_dtype])[0],
