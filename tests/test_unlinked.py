@@ -44,7 +44,8 @@ RUN = textwrap.dedent('''
 
 
 def _run(folder) -> list[str]:
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(folder / "cache"), PYTHONPATH=os.pathsep.join([str(folder), os.getcwd()]))
+    path = os.pathsep.join([str(folder), os.getcwd()])
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(folder / "cache"), PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.split()

@@ -197,7 +197,7 @@ def _arch_parts(key: tuple) -> dict:
                 _post_norm=post)
 
 
-_KV_WRITERS = {"float32": "_WRITE_KV", "float16": "_WRITE_KV_F16", "int8": "_WRITE_KV_Q8"}  # in engine.kernels.attention
+_KV_WRITERS = {"float32": "_WRITE_KV", "float16": "_WRITE_KV_F16", "int8": "_WRITE_KV_Q8"}  # engine.kernels.attention's
 
 
 def _tag(products: tuple, kv_dtype: str, vector_attention: bool, arch: tuple) -> str:
@@ -224,7 +224,8 @@ def attention_block(products: tuple, kv_dtype: str, vector_attention: bool, path
                 _attend_split=unlinked.call("engine.kernels.attention_split", "decode_attention"),
                 _splits=attention_split.splits if vector_attention else attention_split.never,
                 _rms_s=ops._RMS_NORM[0], _rms_p=unlinked.call("engine.kernels.ops", "_RMS_NORM", item=1),
-                _add_rms_s=ops._ADD_RMS_NORM[0], _add_rms_p=unlinked.call("engine.kernels.ops", "_ADD_RMS_NORM", item=1),
+                _add_rms_s=ops._ADD_RMS_NORM[0],
+                _add_rms_p=unlinked.call("engine.kernels.ops", "_ADD_RMS_NORM", item=1),
                 **_arch_parts(arch))
     tag = "attn_" + _tag(products, kv_dtype, vector_attention, arch)
     return specialize(_attention_block, path, bind, tag=tag, parallel=False, inline=True)
