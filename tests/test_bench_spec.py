@@ -12,6 +12,7 @@ import pytest
 from benchmarks import report
 from benchmarks.prompts import BUILTIN_CATEGORIES, LONG_CATEGORIES, builtin_prompts, load_prompts, parse_record, select
 from benchmarks.spec import main, method_configs, run_spec_bench, share_verify_curve
+from benchmarks.spec_timing import reset_proposer
 from engine.generate import generate
 from engine.serving.protocol import SamplingParams
 
@@ -91,9 +92,13 @@ def test_baseline_matches_generate_and_speculation_is_lossless(result, engines, 
 
 
 def test_counters_match_the_requests_own_totals(result, engines, prompts):
-    """ngram is stateless, so generate() alone reproduces the batch-1 block's draft/accept counts."""
+    """generate() reproduces the batch-1 block's draft/accept counts when each prompt (one per category, so one
+    per block) starts, as its block did, from a fresh proposer and no acceptance history in the controller."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    done = [generate(engines["ngram"], [list(p.messages)], params)[0] for p in prompts]
+    done = []
+    for p in prompts:
+        reset_proposer(engines["ngram"])
+        done.append(generate(engines["ngram"], [list(p.messages)], params)[0])
     row = _row(result, "batch1", "all", "ngram")
     assert row["num_draft_tokens"] == sum(c.num_draft_tokens for c in done)
     assert row["num_accepted_tokens"] == sum(c.num_accepted_tokens for c in done)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from numba.core import types
 
+from engine.kernels import unlinked
 from engine.model import cpu_compile
 
 
@@ -30,11 +31,12 @@ def _typed_calls(dispatcher, argtypes: tuple, calls: dict) -> None:
         for stmt in block.body:
             if isinstance(stmt, ir.Assign) and isinstance(stmt.value, ir.Expr) and stmt.value.op == "call":
                 fnty = typed.typemap[stmt.value.func.name]
-                if isinstance(fnty, types.Dispatcher):
+                kernel = fnty.dispatcher if isinstance(fnty, types.Dispatcher) else unlinked.called_kernel(fnty)
+                if kernel is not None:  # a linked call, or one by symbol (engine/kernels/unlinked.py)
                     sig = tuple(typed.calltypes[stmt.value].args)
-                    calls.setdefault(fnty.dispatcher, []).append(sig)
-                    if fnty.dispatcher.py_func.__name__.startswith("_attention_block"):
-                        _typed_calls(fnty.dispatcher, sig, calls)
+                    calls.setdefault(kernel, []).append(sig)
+                    if kernel.py_func.__name__.startswith("_attention_block"):
+                        _typed_calls(kernel, sig, calls)
 
 
 @pytest.fixture(scope="module")

@@ -109,4 +109,13 @@ def call(module: str, name: str, args: tuple | None = None, item: int | None = N
     scope: dict = {}
     exec(f"def {name}_unlinked(typingctx, {params}):\n    return typer(recipe, ({params},))",  # noqa: S102
          {"typer": _typer, "recipe": recipe}, scope)
-    return intrinsic(scope[f"{name}_unlinked"])
+    bound = intrinsic(scope[f"{name}_unlinked"])
+    bound.unlinked_recipe = recipe
+    return bound
+
+
+def called_kernel(fnty):
+    """The kernel a Numba function type calls by symbol (a `call(...)`'s type), else None."""
+    templates = getattr(fnty, "templates", ())
+    recipe = getattr(getattr(templates[0], "key", None), "unlinked_recipe", None) if templates else None
+    return None if recipe is None else recipe.dispatcher()
