@@ -25,7 +25,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from engine.kernels.attention_values import _values
+from engine.kernels.attention_values import WIDE, _values
 from engine.kernels.attention_vec import _scores, _softmax, cache_parts, first_key
 from engine.kernels.kv_prefetch import KEY_CHUNKS_AHEAD, VALUE_BLOCKS_AHEAD
 from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
@@ -41,6 +41,11 @@ from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 # (distinct contexts; 8 requests sharing a 288-token prefix: 7.83 -> 7.57 at 300); 2 at 300 (600, left on
 # the tiles) 6.28 against 6.03 split, within noise.
 SPLIT_MIN_KEYS = 1024
+# An 8-row tile's scores and values loops keep 16 sums of 8 lanes, more than AVX2's 16 registers hold beside
+# their operands: LLVM spills (72 instructions, 24 of them register moves, for a loop of 16 FMAs). Without
+# AVX-512 the group runs as two 4-row passes over the same keys (each row's sums in the same order, so the
+# same bits). Zen 3, 2 KV heads x 64 dims, 2,000 keys, fp16: group 8 took 2.72-2.94x group 4's time before.
+HALVED_ROWS = not WIDE
 
 
 @nb.njit(cache=True, inline="always")
@@ -67,8 +72,13 @@ def never(num_tokens, cu_q, num_keys, num_heads, num_kv):
 
 @nb.njit(cache=True, inline="always")
 def _group_scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, rows, scores):
-    """_scores with `rows` as a literal (1, 2, 4 or 8), asking for the K lines ahead."""
-    if rows == 1:
+    """_scores with `rows` as a literal (1, 2, 4 or 8), asking for the K lines ahead. Without AVX-512 a group
+    of 8 runs as two passes of 4 rows (see HALVED_ROWS)."""
+    if rows == 8 and HALVED_ROWS:
+        for half in range(2):
+            _scores(qkv, k_cache, k_scale, table, q0 + 4 * half * hd, hd, kvh, lo, num_keys, 4,
+                    scores[4 * half : 4 * half + 4], np.int64(KEY_CHUNKS_AHEAD))
+    elif rows == 1:
         _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 1, scores, np.int64(KEY_CHUNKS_AHEAD))
     elif rows == 2:
         _scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, 2, scores, np.int64(KEY_CHUNKS_AHEAD))
@@ -80,8 +90,13 @@ def _group_scores(qkv, k_cache, k_scale, table, q0, hd, kvh, lo, num_keys, rows,
 
 @nb.njit(cache=True, inline="always")
 def _group_values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, rows, d0, d1):
-    """_values with `rows` as a literal (1, 2, 4 or 8), asking for the V blocks ahead."""
-    if rows == 1:
+    """_values with `rows` as a literal (1, 2, 4 or 8), asking for the V blocks ahead (8 rows: as _group_scores)."""
+    if rows == 8 and HALVED_ROWS:
+        ld = scores.shape[1]
+        for half in range(2):
+            _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0 + 4 * half * ld, vals, v0 + 4 * half * hd,
+                    hd, 4, d0, d1, np.int64(VALUE_BLOCKS_AHEAD))
+    elif rows == 1:
         _values(v_cache, v_scale, table, kvh, lo, num_keys, scores, s0, vals, v0, hd, 1, d0, d1,
                 np.int64(VALUE_BLOCKS_AHEAD))
     elif rows == 2:
