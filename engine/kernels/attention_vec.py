@@ -41,6 +41,7 @@ from numba import types
 from numba.extending import overload
 
 from engine.kernels.attention_values import (
+    HALF_WIDTH_512,
     PAIRED_ROWS_FLOAT,
     PAIRED_ROWS_INT8,
     TOKENS_PER_ITEM,
@@ -117,7 +118,8 @@ def _scaled(part, acc, k_scale, sidx):
 @nb.njit(cache=True)
 def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, scores, ahead):
     """scores[r, key] = q_r . k_key (rows literal; q_r at flat q0 + r * qstride) for the 16-key chunks
-    from lo's to num_keys, two chunks at a time where registers allow (each chunk's sums are its own);
+    from lo's to num_keys, two chunks at a time where registers allow and the CPU gains by it (HALF_WIDTH_512;
+    each chunk's sums are its own);
     ahead > 0: also ask for the K lines of the chunks that far on (kv_prefetch; the tiles pass 0)."""
     wide_registers()
     nb.literally(rows)
@@ -126,7 +128,7 @@ def _scores(qkv, k_cache, k_scale, table, q0, qstride, kvh, lo, num_keys, rows, 
     ld = scores.shape[1]
     chunks = (num_keys + 15) // 16
     c0 = lo // 16
-    paired = rows <= (PAIRED_ROWS_FLOAT if k_scale is None else PAIRED_ROWS_INT8)
+    paired = rows <= (PAIRED_ROWS_FLOAT if k_scale is None else PAIRED_ROWS_INT8) and not (ahead and HALF_WIDTH_512)
     step = line_rows(k_cache)
     i, o = chunk_cursor(c0, bs)  # the next chunk read
     pi, po = chunk_cursor(c0 + ahead, bs)  # the next chunk asked for
