@@ -254,6 +254,15 @@ def test_every_method_block_runs_between_two_baseline_blocks():
     assert block_order([("batch1", 1)], ["x"], 3, ["none"], "none") == [("batch1", 1, "x", "none", r) for r in range(3)]
 
 
+def test_each_repeat_starts_one_method_further_on_so_every_method_takes_every_place():
+    from benchmarks.spec_pairs import block_order
+
+    order = block_order([("batch1", 1)], ["x"], 3, ["none", "a", "b", "c"], "none")
+    runs = [[label for _, _, _, label, r in order if label != "none" and r == rep] for rep in range(3)]
+    assert runs == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert all(sorted(run[place] for run in runs) == ["a", "b", "c"] for place in range(3))
+
+
 def test_paired_speedup_is_the_median_over_repeats_of_a_block_over_its_neighbours():
     from benchmarks.spec_pairs import paired_ratios, paired_speedups
 
