@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     mine, rest = extra.parse_known_args(sys.argv[1:] if argv is None else argv)
     args, rounds = bench_model.parse(rest), mine.rounds
     if args.long_context <= 0 or rounds < 1:
-        raise ValueError("--long-context and --rounds must be above 0")
+        print("python -m benchmarks.long_step: error: --long-context and --rounds must be above 0", file=sys.stderr)
+        return 2
     got = measure(args, rounds)
     med = {k: float(np.median(v)) for k, v in got.items()}
     print(f"attention at {args.long_context} ctx (cold) {med['attention_ms']:.2f} ms   "
