@@ -14,7 +14,8 @@ Per query each phase runs attention_vec's own functions over the same keys in th
 query gets the bits attention_vec gives it; only who computes which part differs.
 
 The scores loop asks for the K lines a little ahead, and a values pass over whole rows for V
-(kv_prefetch). Measured on the Xeon (avx512, 2 threads), 30 layers' distinct caches at 2,000 keys, in
+(kv_prefetch; not on a Zen 4, where the hardware prefetcher alone ran faster: kv_prefetch.ASKS_AHEAD).
+Measured on the Xeon (avx512, 2 threads), 30 layers' distinct caches at 2,000 keys, in
 one process against values by halves of head_dim and no prefetch: fp16 110-120 -> 84-94 us per layer,
 int8 80-87 -> 74-79; the model's decode step at 2,000 cached tokens (fp16, after the K prefetch and the
 runs) 7.9-10.7 -> 7.2-7.7 ms while the step at 300 stayed 4.5-4.6 ms. See also SPLIT_MIN_KEYS.

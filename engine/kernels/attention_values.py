@@ -41,7 +41,7 @@ TOKENS_PER_ITEM = 8 if WIDE else 4
 PAIRED_ROWS_FLOAT, PAIRED_ROWS_INT8 = (8, 4) if WIDE else (2, 2)
 # AMD Zen 4 (LLVM `znver4`) issues a 512-bit operation as two 256-bit halves, one 512-bit fused multiply-add a cycle,
 # so one chunk's 4 rows of sums already cover that add's latency. There a scores loop that streams its K from memory
-# (the split decode path, the one that prefetches) reads one chunk at a time. Measured on a Zen 4 (2 threads),
+# (the split decode path, the one that passes `ahead`) reads one chunk at a time. Measured on a Zen 4 (2 threads),
 # SmolLM2's 30 layers at 2,000 keys from cold caches, three processes each, alternated: fp16 attention 3.54-3.80 ->
 # 2.85-2.98 ms, the decode step 7.31-7.94 -> 6.53-6.58 ms; int8 cache (two each) 2.63 / 2.05 -> 2.41 / 2.33 ms, step
 # 6.05 / 5.54 -> 5.25 / 5.41. With the K in cache the scores loop took as long or less. Same bits: each chunk's
