@@ -28,7 +28,7 @@ import numpy as np
 
 from engine.kernels.attention_values import WIDE, _values
 from engine.kernels.attention_vec import _scores, _softmax, cache_parts, first_key
-from engine.kernels.kv_prefetch import KEY_CHUNKS_AHEAD, VALUE_BLOCKS_AHEAD
+from engine.kernels.kv_prefetch import ASKS_AHEAD, KEY_CHUNKS_AHEAD, VALUE_BLOCKS_AHEAD
 from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 
 # Requests x keys (of the longest request) from which a decode batch takes this path: three phases cost two
@@ -40,8 +40,12 @@ from engine.kernels.simd import f32_mul, f32_splat, load_rows, store_rows
 # batch against a second copy of the tiles' build: 2 requests at 512 keys 7.04 -> 6.54 ms, 3 at 400 8.27 ->
 # 7.71, 4 at 256 8.13 -> 7.60, 8 at 300 12.13 -> 11.06, 16 at 300 21.23 -> 18.82, 8 at 600 17.88 -> 15.19
 # (distinct contexts; 8 requests sharing a 288-token prefix: 7.83 -> 7.57 at 300); 2 at 300 (600, left on
-# the tiles) 6.28 against 6.03 split, within noise.
-SPLIT_MIN_KEYS = 1024
+# the tiles) 6.28 against 6.03 split, within noise. Where the loops do not ask for lines ahead (the Zen 4,
+# kv_prefetch.ASKS_AHEAD) this path pays from fewer keys: measured there (2 threads), 30 layers, one request, fp16,
+# two runs, tiles -> split, from cold caches: 0.62 / 0.71 -> 0.65 / 0.74 ms at 300 keys, 0.99 / 0.95 -> 0.98 / 0.91
+# at 600, 1.19 / 1.55 -> 0.99 / 1.30 at 700, 1.27 / 1.61 -> 1.08 / 1.30 at 800, 1.33 / 1.38 -> 1.16 / 1.25 at 900,
+# 1.58 / 1.43 -> 1.29 / 1.23 at 1,000 (with the K/V in cache 0.77 / 1.06 -> 0.69 / 0.80 at 700).
+SPLIT_MIN_KEYS = 1024 if ASKS_AHEAD else 700
 # An 8-row tile's scores and values loops keep 16 sums of 8 lanes, more than AVX2's 16 registers hold beside
 # their operands: LLVM spills (72 instructions, 24 of them register moves, for a loop of 16 FMAs). Without
 # AVX-512 the group runs as two 4-row passes over the same keys (each row's sums in the same order, so the
