@@ -323,7 +323,8 @@ def write_plots(result: dict, out: pathlib.Path) -> list[pathlib.Path]:
         fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
         for ax, mode in zip(axes[0], modes):
             draw(ax, result, mode)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:  # a mode whose methods drafted nothing has no lines to name
+                ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

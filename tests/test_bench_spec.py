@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -175,6 +177,20 @@ def test_json_markdown_and_table(result, tmp_path):
             "| propose ms/step |") in md
     table = report.format_table(result)
     assert all(f" {m} " in table for m in ("none", "ngram", "suffix")) and "targets:" in table
+
+
+def test_plots_of_a_run_without_accepted_drafts_draw_without_warnings(result, tmp_path):
+    """A mode where no method has per-position acceptance (nothing drafted) still gets its plots, and no
+    legend warning: the acceptance plot has no lines to name."""
+    pytest.importorskip("matplotlib")
+    quiet = copy.deepcopy(result)
+    for row in quiet["rows"]:
+        row["acceptance_per_pos"] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = report.write_plots(quiet, tmp_path)
+    assert [p.name for p in paths] == ["spec_speedup.png", "spec_acceptance_per_pos.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
 
 
 def test_bad_method_and_prompt_files_fail_cleanly(tmp_path):
