@@ -134,9 +134,12 @@ def model_markdown(res: dict, present: set[str]) -> list[str]:
 def _compute_rows(rate: dict | None) -> list[list[str]]:
     if not rate:
         return []
-    peak = rate["peak_gmacs"]
+    peak, combined = rate["peak_gmacs"], rate.get("combined_gmacs")
     rows = [[f"integer 4-dot peak ({rate['path']})", f"{peak:.1f} GMAC/s"]]
-    return rows + [[f"weight products at T={t}", f"{g:.1f} GMAC/s ({g / peak:.0%} of the peak)"]
+    if combined:  # (runs before the forty-second session did not measure it)
+        rows.append(["the same with Q4_1's float combine", f"{combined:.1f} GMAC/s"])
+    return rows + [[f"weight products at T={t}", f"{g:.1f} GMAC/s ({g / peak:.0%} of the peak"
+                    + (f", {g / combined:.0%} with the combine)" if combined else ")")]
                    for t, g in rate["products_gmacs"].items()]
 
 
