@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
+from engine.kernels import huge_pages
 from engine.kernels.int_layout import (
     NO_BITS,
     ONE_F16,
@@ -144,5 +145,5 @@ def pack_int(t) -> IntWeight | None:
     raw = np.asarray(t.data)
     if k % per_block or raw.dtype != np.uint8 or raw.size != n * (k // per_block) * block_bytes:
         raise ValueError(f"{name}: data does not hold {n} rows of {k} {kind.name} weights")
-    arrays = _pack_blocks(fmt, kind, raw.reshape(n, k // per_block, block_bytes), n)
+    arrays = tuple(huge_pages.place(a) for a in _pack_blocks(fmt, kind, raw.reshape(n, k // per_block, block_bytes), n))
     return IntWeight(n=n, k=k, fmt=fmt, arrays=arrays, nbytes=sum(a.nbytes for a in arrays))

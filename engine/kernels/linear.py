@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import gguf
 import numpy as np
 
-from engine.kernels import float_tiles, int_linear
+from engine.kernels import float_tiles, huge_pages, int_linear
 from engine.kernels.int_pack import IntWeight, pack_int
 from engine.kernels.weights import bf16_bits_to_float32, concat_gguf_rows, matrix_shape
 
@@ -101,6 +101,7 @@ def _to_strips(rows: np.ndarray) -> np.ndarray:
 
 
 def _packed(n: int, k: int, kind: str, arrays: tuple) -> PackedWeight:
+    arrays = tuple(huge_pages.place(a) for a in arrays)
     nbytes = sum(a.nbytes for a in arrays)
     return PackedWeight(n=n, k=k, kind=kind, arrays=arrays, nbytes=nbytes)
 
