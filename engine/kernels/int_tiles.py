@@ -24,6 +24,8 @@ Each block also asks for the weight lines AHEAD blocks further on (software pref
 products wait on memory, and the hardware prefetcher alone kept this VM's two cores at ~14 GB/s.
 """
 
+import llvmlite.binding as llvm
+
 from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound per path by specialize)
     bits_at,
     bits_put,
@@ -52,12 +54,15 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
     xbcast,
 )
 
-
 # blocks: prefetch the weights this far ahead in the strip-major stream (8 KB of Q4_1 quants). SmolLM2's
 # 120 layer matrices in turn, one process, best of 15 (Zen 5, 2 threads): 32 against 16 took T = 1 / 4 / 6 / 8
 # 1.25-1.33 / 1.29-1.31 / 1.49-1.51 / 1.77 ms against 1.29-1.35 / 1.41-1.55 / 1.55-1.56 / 1.78-1.80 (24 and 48
-# no better); on the Xeon 64 and 96 gave one-token tiles nothing (journal).
-AHEAD = 32
+# no better); on the Xeon 64 and 96 gave one-token tiles nothing (journal). On the AMD Zen 4 (LLVM `znver4`) 12
+# (3 KB): every product of SmolLM2 in compiled loops, one process, ten rounds alternated, 12 against 32, weights on
+# huge pages (huge_pages): T = 1 2.52 / 2.17 against 2.58 / 2.30 ms, T = 4 2.70 / 2.87 against 2.88 / 3.07, T = 8
+# 4.21 / 4.73 against 4.32 / 4.80 (8 and 16 within 2% of 12); on 4 KB pages T = 1 / 4 / 8 3.32 / 3.48 / 4.79
+# against 3.54 / 3.60 / 4.90 (journal, forty-second session).
+AHEAD = 12 if llvm.get_host_cpu_name() == "znver4" else 32
 # The format's traits, rebound per format when int_linear compiles a kernel (Numba freezes globals
 # as constants, so each format's tile keeps only its own branches and registers):
 HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit (q3_k: its third)
