@@ -216,7 +216,7 @@ def test_a_spare_row_runs_padded_tiles_with_the_same_bits(tensors, other_paths, 
             np.testing.assert_array_equal(got, want, err_msg=f"{path} T={num_tokens}")
 
 
-@pytest.mark.parametrize("blocks", [3, 7, 18])  # the row's blocks in calls of 4, 2 and 1
+@pytest.mark.parametrize("blocks", [3, 7, 15, 18])  # the row's blocks in calls of 8, 4, 2 and 1
 def test_quantized_rows_match_numpy(blocks):
     k = 32 * blocks
     x = np.random.default_rng(4).standard_normal((5, k)).astype(np.float32) * 7

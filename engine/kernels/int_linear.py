@@ -62,12 +62,15 @@ def host_path() -> str:
 
 def _quantize_rows(x, xq, xd, xm, xs):
     """Per row and block of 32: xq = round(x / xd) with xd = max|x| / 127; xm = xd * sum(xq); xs = per-16 sums
-    (simd_quant.quantize_blocks: 4 blocks per call, then 2, then 1; flat indices, no row views)."""
+    (simd_quant.quantize_blocks: 8 blocks per call, then 4, 2, 1; flat indices, no row views)."""
     blocks = x.shape[1] // 32
     stride = x.strides[0] // 4  # x's rows may be wider than k (a view); every other array is [T, k]
     for t in nb.prange(x.shape[0]):
         b = 0
-        while blocks - b >= 4:
+        while blocks - b >= 8:
+            quantize_blocks(x, t * stride + 32 * b, xq, xd, xm, xs, t * blocks + b, 8)
+            b += 8
+        if blocks - b >= 4:
             quantize_blocks(x, t * stride + 32 * b, xq, xd, xm, xs, t * blocks + b, 4)
             b += 4
         if blocks - b >= 2:
