@@ -9,8 +9,8 @@ The blocks of one call share their folds: the maxima (or sums) of several 16-lan
 side by side, halves of two vectors in one vector, so n blocks cost about one fold, not n. Measured on
 the Xeon (avx512, one thread, in a compiled loop): 8 rows of 576 values 2.1 -> 1.3 us, of 1536 6.7 -> 3.3 us
 (with int_linear's flat indices in place of row views). Calls of 8 blocks instead of 4, on the Zen 4: 1.13 -> 0.87
-and 2.93 -> 2.2 us; compiled for the Zen 3 (AVX2 only, by NUMBA_CPU_NAME and NUMBA_CPU_FEATURES) and run on the Zen 4, 1.26 ->
-1.14-1.19 and 3.42 -> 2.79 us.
+and 2.93 -> 2.2 us; compiled for the Zen 3 (AVX2 only, by NUMBA_CPU_NAME and NUMBA_CPU_FEATURES) and run on the
+Zen 4, 1.26 -> 1.14-1.19 and 3.42 -> 2.79 us.
 """
 
 from __future__ import annotations
