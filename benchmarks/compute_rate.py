@@ -20,7 +20,16 @@ import time
 import numba as nb
 import numpy as np
 
-from engine.kernels.simd import f32_add, f32_from_i32, f32_mul, i32_add, row_f32, store_rows, wbytes, xbcast  # noqa: F401
+from engine.kernels.simd import (  # noqa: F401  (the compiled loops')
+    f32_add,
+    f32_from_i32,
+    f32_mul,
+    i32_add,
+    row_f32,
+    store_rows,
+    wbytes,
+    xbcast,
+)
 from engine.kernels.simd_paths import specialize
 
 MACS_PER_ITERATION = 2 * 4 * 16 * 4  # two accumulators x 4 tokens x 16 lanes x a 4-dot: one token's Q4_1 block
