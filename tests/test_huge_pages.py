@@ -62,3 +62,20 @@ def test_a_chunk_is_unmapped_once_its_arrays_are_gone():
     first.clear()
     gc.collect()
     assert _mapping_of(address) is None and _mapping_of(later.ctypes.data) is not None
+
+
+@pytest.mark.skipif(not huge_pages.supported(), reason="no madvise(MADV_HUGEPAGE) on this platform")
+def test_a_kernel_without_transparent_huge_pages_still_gets_the_copy(monkeypatch):
+    """madvise(MADV_HUGEPAGE) fails with EINVAL on a kernel built without them: the weights then sit on plain pages."""
+    import mmap
+
+    class NoHugePages(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(mmap, "mmap", NoHugePages)
+    monkeypatch.setattr(huge_pages, "_chunk", None)  # the next place() maps a new chunk
+    mid = np.arange(1 << 18, dtype=np.float32)  # 1 MB
+    placed = huge_pages.place(mid)
+    assert placed is not mid
+    np.testing.assert_array_equal(placed, mid)

@@ -43,7 +43,10 @@ def _new_chunk(size: int) -> np.ndarray:
     """An anonymous mapping of `size` + one huge page, marked MADV_HUGEPAGE; its bytes from the first
     2 MB boundary (the kernel backs only aligned 2 MB ranges with huge pages)."""
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without transparent huge pages (EINVAL): plain pages, as NumPy's
+        pass
     raw = np.frombuffer(region, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     return raw[start : start + size]
