@@ -46,14 +46,16 @@ def test_mid_sized_arrays_are_copied_and_the_rest_left_as_they_are():
 
 @pytest.mark.skipif(not (huge_pages.supported() and THP.exists() and "[never]" not in THP.read_text()),
                     reason="this kernel gives no transparent huge pages")
-def test_placed_arrays_sit_on_huge_pages():
+def test_placed_arrays_sit_on_huge_pages(monkeypatch):
+    monkeypatch.setattr(huge_pages, "_chunk", None)  # a chunk of its own, whatever earlier tests left
     placed = huge_pages.place(np.ones(3 << 20, np.uint8))
     entry = _mapping_of(placed.ctypes.data)
     assert entry is not None and entry["AnonHugePages"] >= 2048, entry
 
 
 @pytest.mark.skipif(not huge_pages.supported(), reason="no madvise(MADV_HUGEPAGE) on this platform")
-def test_a_chunk_is_unmapped_once_its_arrays_are_gone():
+def test_a_chunk_is_unmapped_once_its_arrays_are_gone(monkeypatch):
+    monkeypatch.setattr(huge_pages, "_chunk", None)  # not the chunk an engine of an earlier test still holds
     size = 3 << 20
     first = [huge_pages.place(np.full(size, i, np.uint8)) for i in range(huge_pages.CHUNK // size)]
     later = huge_pages.place(np.ones(size, np.uint8))  # past the first chunk's end: a new chunk
