@@ -61,7 +61,8 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
 # (3 KB): every product of SmolLM2 in compiled loops, one process, ten rounds alternated, 12 against 32, weights on
 # huge pages (huge_pages): T = 1 2.52 / 2.17 against 2.58 / 2.30 ms, T = 4 2.70 / 2.87 against 2.88 / 3.07, T = 8
 # 4.21 / 4.73 against 4.32 / 4.80 (8 and 16 within 2% of 12); on 4 KB pages T = 1 / 4 / 8 3.32 / 3.48 / 4.79
-# against 3.54 / 3.60 / 4.90 (journal, forty-second session).
+# against 3.54 / 3.60 / 4.90 (journal, forty-second session). To measure it on another CPU:
+# `python -m benchmarks.prefetch_distance`.
 AHEAD = 12 if llvm.get_host_cpu_name() == "znver4" else 32
 # The format's traits, rebound per format when int_linear compiles a kernel (Numba freezes globals
 # as constants, so each format's tile keeps only its own branches and registers):
