@@ -33,21 +33,6 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def build(fmt: str, path: str, ahead: int):
-    """int_linear.kernel(fmt, path) with AHEAD = ahead."""
-    from engine.kernels import int_linear, int_tiles
-    from engine.kernels.simd import specialize, specialize_family
-
-    functions = {name: getattr(int_tiles, name) for name in int_linear._SHARED}
-    prefix = int_linear.BLOCKS[fmt]
-    functions.update(_block=getattr(int_tiles, prefix + "_block"), _ahead=getattr(int_tiles, prefix + "_ahead"))
-    tag = f"{fmt}_ahead{ahead}"
-    family = specialize_family(functions, path, {**int_linear._traits(fmt), "AHEAD": ahead}, tag=tag)
-    bind = {"_tile": family["tile"], "_pair": family["pair"], "EIGHT": path in int_linear.EIGHT_TOKEN_PATHS,
-            "PAIRS": path in int_linear.PAIR_PATHS}
-    return specialize(int_linear._gemm, path, bind, tag=tag)
-
-
 @nb.njit
 def _products(kernel, ws, xq, out, n):
     """kernel(w, xq, out, 0, n) for each w of ws (one shape's weights)."""
@@ -67,7 +52,7 @@ def main(argv=None) -> int:
     if any(not hasattr(w, "fmt") for w in weights):
         raise SystemExit("prefetch_distance: every product must be an integer one (numerics int8, one part each)")
     path = int_linear.host_path()
-    kernels = {(a, fmt): build(fmt, path, a) for a in aheads for fmt in {w.fmt for w in weights}}
+    kernels = {(a, fmt): int_linear.build_kernel(fmt, path, a) for a in aheads for fmt in {w.fmt for w in weights}}
     groups: dict[tuple, list] = {}
     for w in weights:
         groups.setdefault((w.fmt, w.k, w.n), []).append(w.arrays)

@@ -164,13 +164,22 @@ def kernel(fmt: str, path: str):
     key = (fmt, path)
     with _lock:
         if key not in _kernels:
-            functions = {name: getattr(int_tiles, name) for name in _SHARED}  # the format's block as _block
-            functions.update(_block=getattr(int_tiles, BLOCKS[fmt] + "_block"), _ahead=getattr(int_tiles, BLOCKS[fmt] + "_ahead"))
-            family = specialize_family(functions, path, _traits(fmt), tag=fmt)
-            bind = {"_tile": family["tile"], "_pair": family["pair"], "EIGHT": path in EIGHT_TOKEN_PATHS,
-                    "PAIRS": path in PAIR_PATHS}
-            _kernels[key] = specialize(_gemm, path, bind, tag=fmt)
+            _kernels[key] = build_kernel(fmt, path)
         return _kernels[key]
+
+
+def build_kernel(fmt: str, path: str, ahead: int | None = None):
+    """A new build of the weight product for `fmt` on `path`; `ahead` overrides int_tiles.AHEAD (the prefetch
+    distance: benchmarks/prefetch_distance.py builds one per distance, named apart for Numba's cache)."""
+    functions = {name: getattr(int_tiles, name) for name in _SHARED}  # the format's block as _block
+    functions.update(_block=getattr(int_tiles, BLOCKS[fmt] + "_block"), _ahead=getattr(int_tiles, BLOCKS[fmt] + "_ahead"))
+    constants, tag = _traits(fmt), fmt
+    if ahead is not None:
+        constants, tag = {**constants, "AHEAD": ahead}, f"{fmt}_ahead{ahead}"
+    family = specialize_family(functions, path, constants, tag=tag)
+    bind = {"_tile": family["tile"], "_pair": family["pair"], "EIGHT": path in EIGHT_TOKEN_PATHS,
+            "PAIRS": path in PAIR_PATHS}
+    return specialize(_gemm, path, bind, tag=tag)
 
 
 class QuantRows:
