@@ -159,6 +159,24 @@ def test_a_verify_of_nine_tokens_is_the_same_bits_as_its_queries_alone():
         np.testing.assert_array_equal(run(kernel, case, 0.125), alone)
 
 
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_a_lone_verify_split_by_its_tokens_gives_each_query_its_own_bits(cache, window):
+    """One request's verify of BY_TOKENS_MIN .. TOKENS_PER_ITEM tokens (one chunk) on groups of 3 query heads: each
+    KV head's two items take halves of the tokens (every head) instead of halves of the heads. Each query
+    gets the bits it gets alone, and the float64 reference's values."""
+    from engine.kernels.attention_vec import BY_TOKENS_MIN, TOKENS_PER_ITEM
+
+    for num_tokens in sorted({BY_TOKENS_MIN, BY_TOKENS_MIN + 1, TOKENS_PER_ITEM}):
+        case, twin = CACHES[cache](make_case(64, 16, [(300, num_tokens)], seed=num_tokens))
+        want = reference(*twin, 0.125, window)
+        for kernel in A._ATTENTION_VEC:
+            alone = np.concatenate([run(kernel, one_query(case, t), 0.125, window) for t in range(num_tokens)])
+            got = run(kernel, case, 0.125, window)
+            np.testing.assert_array_equal(got, alone)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+
 def test_balanced_runs_hold_every_item_once_and_even_out_the_threads():
     from engine.kernels.attention_vec import _equal_ranges_top, _runs
 

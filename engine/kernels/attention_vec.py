@@ -5,11 +5,14 @@ dims of one key and head share a scale, kept in float32 beside the values; head_
 of 32). Work: a chunk of up to TOKENS_PER_ITEM (4, or 8 with AVX-512)
 consecutive tokens of one request x one KV head x one half of its group's query heads (so two
 threads share an odd number of KV heads evenly: decode attention at 2,000 tokens 117 -> 92 us
-per layer on SmolLM2's 3 KV heads; decode batches from 1,024 keys: attention_split), handed to the
+per layer on SmolLM2's 3 KV heads; decode batches from 1,024 keys: attention_split), or, for a
+lone chunk of BY_TOKENS_MIN or more tokens (a verify) on an odd group, x one half of its tokens, so that
+two threads also share a group's odd number of heads evenly. The items go to the
 threads as prange's equal ranges of the items in zigzag order, or, where one of those would hold over
 1.1x an even share of query rows x keys, as runs balanced by that cost (`_runs`). A tile is up to
 TOKENS_PER_ITEM query rows sharing every K and V load: the heads of the KV group for a single token,
-the item's heads x the chunk's tokens where they fit one tile (a verify of 4 on 2 heads), or else one
+the item's heads x tokens as one run of tiles where they fit one tile (a verify of 4 on 2 heads) or
+the item holds half of the tokens, or else one
 head of the chunk's tokens. Row r attends to keys lo_r .. n_r - 1, n_r = keys0 + (r % period) * inc
 (inc = 0 for heads; 1 for tokens, period = the chunk's tokens), where lo_r = 0, or, on a
 sliding-window layer of `window` keys, max(0, n_r - window).
@@ -286,6 +289,12 @@ def _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, num
             out[t0 + t, (h0 + i) * hd : (h0 + i + 1) * hd] = o_rows[i * num_tokens + t]
 
 
+# Tokens of a lone chunk from which an odd group's two items each take half of its tokens (every head) instead of
+# half of its heads (every token): SmolLM2's 3 x 3 heads then split 36:36 query rows between two threads at T = 8
+# instead of 40:32. 30 layers at 300 keys, two threads (Zen 4): T = 8 1.58 -> 1.34 ms, 6 1.19 -> 1.03, 4 0.77 -> 0.74;
+# at T = 2 halves of one token ran each head alone (0.47 -> 0.79 ms), so fewer tokens keep the heads' split.
+BY_TOKENS_MIN = 4
+
 @nb.njit(cache=True)
 def _runs(costs, threads):
     """Items as one run per thread, the costliest first to the least loaded thread (Numba's prange hands each
@@ -327,20 +336,22 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
         for t in range(cu_q[r], cu_q[r + 1], TOKENS_PER_ITEM):
             firsts[num_chunks], owners[num_chunks] = t, r
             num_chunks += 1
-    half = (group + 1) // 2  # each KV head's query rows in two items, so 2 threads share 3 KV heads evenly
+    # each KV head's query rows in two items, so 2 threads share 3 KV heads evenly: halves of the group's heads, or,
+    # for one chunk of BY_TOKENS_MIN or more tokens on an odd group, halves of its tokens (every head of the group)
+    by_tokens = num_chunks == 1 and group % 2 == 1 and cu_q[owners[0] + 1] - firsts[0] >= BY_TOKENS_MIN
     num_items = num_chunks * num_kv * 2
     costs = np.empty(num_items, np.int64)  # query rows x keys, items in zigzag order (see _zigzag)
     for item in range(num_items):
         chunk, part = _zigzag(item // (2 * num_kv), num_chunks), item % 2
-        rows = max(0, min(group, (part + 1) * half) - part * half)
         num_tokens = min(TOKENS_PER_ITEM, cu_q[owners[chunk] + 1] - firsts[chunk])
+        h0, h1, t0, t1 = _part(part, group, num_tokens, by_tokens)
         keys = positions[firsts[chunk]] + num_tokens
-        costs[item] = rows * num_tokens * (min(keys, window + num_tokens) if window > 0 else keys)
+        costs[item] = (h1 - h0) * (t1 - t0) * (min(keys, window + num_tokens) if window > 0 else keys)
     if num_chunks == 1 or _equal_ranges_top(costs, threads) * 10 <= _least_top(costs, threads) * 11:
         for item in nb.prange(num_items):  # prange's equal ranges of the zigzag order suffice
             chunk, kvh, part = _zigzag(item // (2 * num_kv), num_chunks), item // 2 % num_kv, item % 2
             _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, firsts[chunk], owners[chunk], cu_q, positions,
-                  kvh, part * half, min(group, (part + 1) * half), group, window, scale, out)
+                  kvh, part, by_tokens, group, window, scale, out)
         return
     order, starts = _runs(costs, threads)
     for t in nb.prange(threads):
@@ -348,7 +359,19 @@ def paged_attention_vec(qkv, k_entry, v_entry, cu_q, positions, block_tables, nu
             item = order[i]
             chunk, kvh, part = _zigzag(item // (2 * num_kv), num_chunks), item // 2 % num_kv, item % 2
             _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, firsts[chunk], owners[chunk], cu_q, positions,
-                  kvh, part * half, min(group, (part + 1) * half), group, window, scale, out)
+                  kvh, part, by_tokens, group, window, scale, out)
+
+
+@nb.njit(cache=True, inline="always")
+def _part(part, group, num_tokens, by_tokens):
+    """(first head, last head + 1, first token, last token + 1) of item half `part` (0, 1) of a KV group's heads x a
+    chunk's tokens, relative to the group and the chunk: by_tokens, every head x half of the tokens (the first
+    half the larger), else half of the heads (the first the larger) x every token."""
+    if by_tokens:
+        half = (num_tokens + 1) // 2
+        return 0, group, part * half, min(num_tokens, (part + 1) * half)
+    half = (group + 1) // 2
+    return part * half, min(group, (part + 1) * half), 0, num_tokens
 
 
 @nb.njit(cache=True, inline="always")
@@ -375,23 +398,24 @@ def _least_top(costs, threads):
 
 
 @nb.njit(cache=True, inline="always")
-def _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, t0, r, cu_q, positions, kvh, first, last, group,
+def _item(qkv, k_cache, v_cache, k_scale, v_scale, block_tables, t0, r, cu_q, positions, kvh, part, by_tokens, group,
           window, scale, out):
-    """Query heads first..last - 1 of KV head kvh's group x the chunk of tokens from t0 of request r."""
-    if first >= last:
-        return
+    """Half `part` of KV head kvh's group x the chunk of tokens from t0 of request r (see _part)."""
     hd, bs = k_cache.shape[2], k_cache.shape[3]
     qs, os_ = qkv.shape[1], out.shape[1]
-    num_tokens = min(TOKENS_PER_ITEM, cu_q[r + 1] - t0)
-    keys0 = positions[t0] + 1
-    scores = np.empty((TOKENS_PER_ITEM, (keys0 + num_tokens - 1 + bs - 1) // bs * bs), np.float32)  # [tile rows, keys]
+    chunk_tokens = min(TOKENS_PER_ITEM, cu_q[r + 1] - t0)
+    first, last, ta, tb = _part(part, group, chunk_tokens, by_tokens)
+    if first >= last or ta >= tb:
+        return
+    scores = np.empty((TOKENS_PER_ITEM, (positions[t0] + chunk_tokens + bs - 1) // bs * bs), np.float32)  # [tile rows, keys]
     inv = np.empty(TOKENS_PER_ITEM, np.float32)
     table = block_tables[r]
-    h0 = kvh * group + first
+    h0, t0, num_tokens = kvh * group + first, t0 + ta, tb - ta
+    keys0 = positions[t0] + 1
     if num_tokens == 1:  # the group's heads share the loads
         _tiles(qkv, k_cache, v_cache, k_scale, v_scale, table, t0 * qs + h0 * hd, hd, t0 * os_ + h0 * hd, hd,
                kvh, keys0, np.int64(0), np.int64(1), window, last - first, scale, out, scores, inv)
-    elif (last - first) * num_tokens <= TOKENS_PER_ITEM:  # the item's heads x the chunk's tokens share them
+    elif by_tokens or (last - first) * num_tokens <= TOKENS_PER_ITEM:  # the item's heads x tokens share them
         _heads_by_tokens(qkv, k_cache, v_cache, k_scale, v_scale, table, t0, h0, last - first, num_tokens, kvh,
                          keys0, window, scale, out, scores, inv)
     else:  # per head, the chunk's tokens share the loads
