@@ -216,6 +216,22 @@ def test_a_spare_row_runs_padded_tiles_with_the_same_bits(tensors, other_paths, 
             np.testing.assert_array_equal(got, want, err_msg=f"{path} T={num_tokens}")
 
 
+
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
+def test_prefetch_into_the_l2_gives_the_same_bits(tensors, name):
+    """A build whose tiles of every size ask for the weight lines ahead into the L2 only (int_tiles.L2_FROM = 1;
+    by default only the Zen 4's tiles of 4 or more tokens do) gives the default build's bits at every T."""
+    w = pack_gguf_tensor(tensors[name], "int8")
+    path = int_linear.host_path()
+    l2_kernel = int_linear.build_kernel(w.fmt, path, 12, (1, 24))
+    rng = np.random.default_rng(7)
+    for num_tokens in (1, 2, 4, 5, 8, 11):
+        xq = int_linear.quantize(rng.standard_normal((num_tokens, w.k)).astype(np.float32))
+        want, got = (np.full((num_tokens, w.n), np.nan, np.float32) for _ in range(2))
+        int_linear.matmul(xq, w, want, 0, path)
+        l2_kernel(w.arrays, xq, got, 0, w.n)
+        np.testing.assert_array_equal(got, want, err_msg=f"T={num_tokens}")
+
 @pytest.mark.parametrize("blocks", [3, 7, 15, 18])  # the row's blocks in calls of 8, 4, 2 and 1
 def test_quantized_rows_match_numpy(blocks):
     k = 32 * blocks

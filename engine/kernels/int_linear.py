@@ -168,14 +168,17 @@ def kernel(fmt: str, path: str):
         return _kernels[key]
 
 
-def build_kernel(fmt: str, path: str, ahead: int | None = None):
-    """A new build of the weight product for `fmt` on `path`; `ahead` overrides int_tiles.AHEAD (the prefetch
-    distance: benchmarks/prefetch_distance.py builds one per distance, named apart for Numba's cache)."""
+def build_kernel(fmt: str, path: str, ahead: int | None = None, l2: tuple[int, int] | None = None):
+    """A new build of the weight product for `fmt` on `path`; `ahead` overrides int_tiles.AHEAD and `l2` =
+    (L2_FROM, L2_AHEAD) int_tiles' L2 prefetch (benchmarks/prefetch_distance.py builds one per setting, named
+    apart for Numba's cache)."""
     functions = {name: getattr(int_tiles, name) for name in _SHARED}  # the format's block as _block
     functions.update(_block=getattr(int_tiles, BLOCKS[fmt] + "_block"), _ahead=getattr(int_tiles, BLOCKS[fmt] + "_ahead"))
     constants, tag = _traits(fmt), fmt
     if ahead is not None:
-        constants, tag = {**constants, "AHEAD": ahead}, f"{fmt}_ahead{ahead}"
+        constants, tag = {**constants, "AHEAD": ahead}, f"{tag}_ahead{ahead}"
+    if l2 is not None:
+        constants, tag = {**constants, "L2_FROM": l2[0], "L2_AHEAD": l2[1]}, f"{tag}_l2from{l2[0]}_{l2[1]}"
     family = specialize_family(functions, path, constants, tag=tag)
     bind = {"_tile": family["tile"], "_pair": family["pair"], "EIGHT": path in EIGHT_TOKEN_PATHS,
             "PAIRS": path in PAIR_PATHS}

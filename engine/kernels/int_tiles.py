@@ -22,6 +22,7 @@ so a row's result depends on nothing but its own activations: not on T, the tile
 
 Each block also asks for the weight lines AHEAD blocks further on (software prefetch): at T = 1 the
 products wait on memory, and the hardware prefetcher alone kept this VM's two cores at ~14 GB/s.
+On the Zen 4 a tile of 4 or more tokens asks L2_AHEAD blocks on, into the L2 only (L2_FROM).
 """
 
 import llvmlite.binding as llvm
@@ -41,6 +42,7 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
     i32_zero,
     item_bytes,
     prefetch,
+    prefetch_l2,
     row_f16,
     row_f32,
     row_hi4,
@@ -64,6 +66,16 @@ from engine.kernels.simd import (  # noqa: F401  (acc_* and dot_s8* are bound pe
 # against 3.54 / 3.60 / 4.90 (journal, forty-second session). To measure it on another CPU:
 # `python -m benchmarks.prefetch_distance`.
 AHEAD = 12 if llvm.get_host_cpu_name() == "znver4" else 32
+# Tiles of L2_FROM or more tokens ask for lines L2_AHEAD blocks on into the L2 only (simd.prefetch_l2): a tile that
+# computes long per block keeps more lines in flight there than in the L1's fill buffers. Zen 4, every product of
+# SmolLM2 in compiled loops, one process, ten rounds alternated (benchmarks.prefetch_distance, journal), every tile
+# at 12 into the L1 against 24 into the L2: T = 1 3.33 / 2.69 against 3.31 / 2.89 ms, T = 2 3.31 / 2.62 against
+# 3.16 / 2.77, T = 4 3.63 / 2.82 against 3.23 / 2.82, T = 8 4.60 / 4.35 against 4.46 / 4.06 (the LM head alone,
+# 30 MB of Q8_0 at T = 8, from cold caches: 1.33-1.42 against 1.07-1.09 ms); at T = 1 and 2 the L1 won in faster
+# hours. So the L2 from 4 tokens (the setting 12/24@4 against 12, two runs: T = 4 2.90 / 3.21 against 3.05 / 3.08 ms,
+# T = 8 4.57 / 4.22 against 4.79 / 4.46; T = 1, 2 the same code). Other CPUs: not measured (9: never).
+L2_FROM = 4 if llvm.get_host_cpu_name() == "znver4" else 9
+L2_AHEAD = 24
 # The format's traits, rebound per format when int_linear compiles a kernel (Numba freezes globals
 # as constants, so each format's tile keeps only its own branches and registers):
 HIGH_BIT = False  # q5_0 / q5_1 / q5_k: qh holds each weight's fifth bit (q3_k: its third)
@@ -73,11 +85,18 @@ LUT_BITS = 4  # table formats: 4-bit indices, or 3 (tables of up to 8 values: th
 K16_OFFSET = 32  # q6_k 32, q3_k 4: w = (d * sc) * (q - K16_OFFSET)
 
 
-def _ask_ahead(a, block, per_block):
-    """Prefetch the lines of array `a` (per_block elements per block) for the block AHEAD blocks past `block`."""
-    first = (block + AHEAD) * per_block
-    for line in range((per_block * item_bytes(a) + 63) // 64):  # constants: the loop unrolls, no division
-        prefetch(a, first + line * (64 // item_bytes(a)))
+def _ask_ahead(a, block, per_block, tt):
+    """Prefetch the lines of array `a` (per_block elements per block) for the block AHEAD blocks past `block`, or,
+    in a tile of L2_FROM or more tokens (tt literal: the branch is settled when it compiles), L2_AHEAD blocks past
+    it, into the L2 only."""
+    if tt >= L2_FROM:
+        first = (block + L2_AHEAD) * per_block
+        for line in range((per_block * item_bytes(a) + 63) // 64):  # constants: the loop unrolls, no division
+            prefetch_l2(a, first + line * (64 // item_bytes(a)))
+    else:
+        first = (block + AHEAD) * per_block
+        for line in range((per_block * item_bytes(a) + 63) // 64):
+            prefetch(a, first + line * (64 // item_bytes(a)))
 
 
 def _nibble_sum(qs, qh, xq, wi, hi, xi, k, tt):
@@ -109,7 +128,7 @@ def tile(w, x, s, t0, tt):
         f = _block(w, x, s, b, t0, tt, f)  # noqa: F821
         # The prefetch after the block: before it, LLVM's scheduler ordered a tile of 8 token by token (8
         # dependent vpdpbusd in a row) instead of 4-dot group by group, 6-11% slower at T = 8 (Xeon, journal).
-        _ahead(w, s * nb + b)  # noqa: F821  (the format's, bound by int_linear)
+        _ahead(w, s * nb + b, tt)  # noqa: F821  (the format's, bound by int_linear)
     return f
 
 
@@ -121,19 +140,19 @@ def pair(w, x, s, t0, ta, tb):
     fa = f32_zero(ta)
     fb = f32_zero(tb)
     for b in range(nb):
-        _ahead(w, s * nb + b)  # noqa: F821
+        _ahead(w, s * nb + b, ta)  # noqa: F821  (ta: 4, the larger tile)
         fa = _block(w, x, s, b, t0, ta, fa)  # noqa: F821
         fb = _block(w, x, s, b, t0 + ta, tb, fb)  # noqa: F821
     return fa, fb
 
 
-def legacy_ahead(w, sb):
+def legacy_ahead(w, sb, tt):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
     qs, qh, d, m = w
-    _ask_ahead(qs, sb, 256)
-    _ask_ahead(qh, sb, 64 if HIGH_BIT else 0)
-    _ask_ahead(d, sb, 16)
-    _ask_ahead(m, sb, 0 if OFFSET else 16)
+    _ask_ahead(qs, sb, 256, tt)
+    _ask_ahead(qh, sb, 64 if HIGH_BIT else 0, tt)
+    _ask_ahead(d, sb, 16, tt)
+    _ask_ahead(m, sb, 0 if OFFSET else 16, tt)
 
 
 def legacy_block(w, x, s, b, t0, tt, f):
@@ -153,11 +172,11 @@ def legacy_block(w, x, s, b, t0, tt, f):
     return f
 
 
-def q8_0_ahead(w, sb):
+def q8_0_ahead(w, sb, tt):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
     qs, d = w
-    _ask_ahead(qs, sb, 512)
-    _ask_ahead(d, sb, 16)
+    _ask_ahead(qs, sb, 512, tt)
+    _ask_ahead(d, sb, 16, tt)
 
 
 def q8_0_block(w, x, s, b, t0, tt, f):
@@ -174,13 +193,13 @@ def q8_0_block(w, x, s, b, t0, tt, f):
     return f32_add(f, f32_mul(f32_mul(row_f16(d, (s * nb + b) * 16), tok_f32(xd, xi, nb, tt)), f32_from_i32(isum)))
 
 
-def lut_ahead(w, sb):
+def lut_ahead(w, sb, tt):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b); a d per super-block is not asked."""
     lo, hi, d, sc, _ = w
-    _ask_ahead(lo, sb, 256 if LUT_BITS == 4 else 128)
-    _ask_ahead(hi, sb, 0 if LUT_BITS == 4 else 64)
-    _ask_ahead(d, sb, 16 if LUT_SCALES == 0 else 0)
-    _ask_ahead(sc, sb, 0 if LUT_SCALES == 0 else 16 * 32 // LUT_SCALES)
+    _ask_ahead(lo, sb, 256 if LUT_BITS == 4 else 128, tt)
+    _ask_ahead(hi, sb, 0 if LUT_BITS == 4 else 64, tt)
+    _ask_ahead(d, sb, 16 if LUT_SCALES == 0 else 0, tt)
+    _ask_ahead(sc, sb, 0 if LUT_SCALES == 0 else 16 * 32 // LUT_SCALES, tt)
 
 
 def _lut_dots(isum, lo, hi, lut, xq, wi, half, xi, k, tt):
@@ -220,13 +239,13 @@ def lut_block(w, x, s, b, t0, tt, f):
     return f32_add(f, f32_mul(f32_mul(scale, dx), f32_from_i32(isum)))
 
 
-def kquant_ahead(w, sb):
+def kquant_ahead(w, sb, tt):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
     qs, qh, _, _, sc, mn = w
-    _ask_ahead(qs, sb, 256)
-    _ask_ahead(qh, sb, 64 if HIGH_BIT else 0)
-    _ask_ahead(sc, sb, 16)
-    _ask_ahead(mn, sb, 16)
+    _ask_ahead(qs, sb, 256, tt)
+    _ask_ahead(qh, sb, 64 if HIGH_BIT else 0, tt)
+    _ask_ahead(sc, sb, 16, tt)
+    _ask_ahead(mn, sb, 16, tt)
 
 
 def kquant_block(w, x, s, b, t0, tt, f):
@@ -276,12 +295,12 @@ def _per_16_at(x, s, b, t0, tt):
     return x[0].shape[1], nb, (s * (nb // 8) + b // 8) * 16, xi, tok_f32(x[1], xi, nb, tt)
 
 
-def k16_ahead(w, sb):
+def k16_ahead(w, sb, tt):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
     lo, hi, _, sc = w
-    _ask_ahead(lo, sb, 256 if K16_OFFSET == 32 else 128)
-    _ask_ahead(hi, sb, 128 if K16_OFFSET == 32 else 64)
-    _ask_ahead(sc, sb, 32)
+    _ask_ahead(lo, sb, 256 if K16_OFFSET == 32 else 128, tt)
+    _ask_ahead(hi, sb, 128 if K16_OFFSET == 32 else 64, tt)
+    _ask_ahead(sc, sb, 32, tt)
 
 
 def k16_block(w, x, s, b, t0, tt, f):
@@ -301,11 +320,11 @@ def k16_block(w, x, s, b, t0, tt, f):
     return f
 
 
-def q2_k_ahead(w, sb):
+def q2_k_ahead(w, sb, tt):
     """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
     qc, _, _, scm = w
-    _ask_ahead(qc, sb, 128)
-    _ask_ahead(scm, sb, 32)
+    _ask_ahead(qc, sb, 128, tt)
+    _ask_ahead(scm, sb, 32, tt)
 
 
 def q2_k_block(w, x, s, b, t0, tt, f):

@@ -60,15 +60,25 @@ def item_bytes(typingctx, arr):
 
 @_intrinsic
 def prefetch(typingctx, arr, idx):
-    """Ask for the cache line holding arr[idx] (flat index; never faults, even past the end)."""
+    """Ask for the cache line holding arr[idx] into every cache level (flat index; never faults, even past the end)."""
+    return types.none(arr, idx), _prefetch_codegen(3)
 
+
+@_intrinsic
+def prefetch_l2(typingctx, arr, idx):
+    """`prefetch` into the L2 (and L3) only (x86 prefetcht1): a line asked for far ahead waits there, not in an L1
+    fill buffer."""
+    return types.none(arr, idx), _prefetch_codegen(2)
+
+
+def _prefetch_codegen(locality: int):
     def codegen(context, builder, sig, args):
         ptr = _addr(context, builder, sig.args[0], args[0], args[1], _I8)
         i32 = lambda v: ir.Constant(_I32, v)  # noqa: E731
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, i32(0), i32(3), i32(1)])
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, i32(0), i32(locality), i32(1)])
         return context.get_dummy_value()
 
-    return types.none(arr, idx), codegen
+    return codegen
 
 
 def _token_loader(elem, vec, name, doc, as_bytes=False):
