@@ -166,7 +166,8 @@ def test_a_lone_verify_split_by_its_tokens_gives_each_query_its_own_bits(cache, 
     """One request's verify of BY_TOKENS_MIN .. TOKENS_PER_ITEM tokens (one chunk) on groups of 3 query heads: each
     KV head's two items take halves of the tokens (every head) instead of halves of the heads. Each query
     gets the bits it gets alone, and the float64 reference's values."""
-    from engine.kernels.attention_vec import BY_TOKENS_MIN, TOKENS_PER_ITEM
+    from engine.kernels.attention_items import BY_TOKENS_MIN
+    from engine.kernels.attention_vec import TOKENS_PER_ITEM
 
     for num_tokens in sorted({BY_TOKENS_MIN, BY_TOKENS_MIN + 1, TOKENS_PER_ITEM}):
         case, twin = CACHES[cache](make_case(64, 16, [(300, num_tokens)], seed=num_tokens))
@@ -178,7 +179,7 @@ def test_a_lone_verify_split_by_its_tokens_gives_each_query_its_own_bits(cache, 
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
 
 def test_balanced_runs_hold_every_item_once_and_even_out_the_threads():
-    from engine.kernels.attention_vec import _equal_ranges_top, _runs
+    from engine.kernels.attention_items import _equal_ranges_top, _runs
 
     costs = np.array([16, 8, 16, 8, 16, 8, 2, 1, 2, 1, 2, 1], np.int64)  # a verify of 9: chunks of 8 and 1
     order, starts = _runs(costs, 2)

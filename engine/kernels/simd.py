@@ -30,7 +30,7 @@ from numba import types
 
 from engine.kernels.simd_ir import (  # noqa: F401  (LANES: part of this module's interface)
     Vec, LANES, _I8, _I16, _I32, _F32, _u8, _i32, _f32, _tokens, _literal, _addr, _splat, _split,
-    _call, _index, _int_arg, _per_token, _repeat, _intrinsic, _exp_ir,
+    _call, _index, _int_arg, _per_token, _repeat, _intrinsic, _exp_ir, _prefetch_codegen,
 )
 from engine.kernels.simd_paths import PATH_OPS, PATHS, specialize, specialize_family, wide_registers  # noqa: F401
 
@@ -66,19 +66,8 @@ def prefetch(typingctx, arr, idx):
 
 @_intrinsic
 def prefetch_l2(typingctx, arr, idx):
-    """`prefetch` into the L2 (and L3) only (x86 prefetcht1): a line asked for far ahead waits there, not in an L1
-    fill buffer."""
+    """`prefetch` into the L2 only (prefetcht1): a line asked for far ahead waits there, not in an L1 fill buffer."""
     return types.none(arr, idx), _prefetch_codegen(2)
-
-
-def _prefetch_codegen(locality: int):
-    def codegen(context, builder, sig, args):
-        ptr = _addr(context, builder, sig.args[0], args[0], args[1], _I8)
-        i32 = lambda v: ir.Constant(_I32, v)  # noqa: E731
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr, i32(0), i32(locality), i32(1)])
-        return context.get_dummy_value()
-
-    return codegen
 
 
 def _token_loader(elem, vec, name, doc, as_bytes=False):

@@ -143,3 +143,14 @@ def _exp_ir(builder, x):
     bits = builder.shl(builder.add(builder.fptosi(n, ity), _splat(builder, ir.Constant(_I32, 127), ity)),
                        _splat(builder, ir.Constant(_I32, 23), ity))
     return builder.fmul(p, builder.bitcast(bits, ty))
+
+
+def _prefetch_codegen(locality: int):
+    """Codegen of a prefetch intrinsic (arr, flat idx): llvm.prefetch, read, at `locality` (3: every level, 2: L2)."""
+
+    def codegen(context, builder, sig, args):
+        ptr = _addr(context, builder, sig.args[0], args[0], args[1], _I8)
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), [ptr] + [ir.Constant(_I32, v) for v in (0, locality, 1)])
+        return context.get_dummy_value()
+
+    return codegen
