@@ -89,13 +89,12 @@ def _ask_ahead(a, block, per_block, tt):
     """Prefetch the lines of array `a` (per_block elements per block) for the block AHEAD blocks past `block`, or,
     in a tile of L2_FROM or more tokens (tt literal: the branch is settled when it compiles), L2_AHEAD blocks past
     it, into the L2 only."""
-    if tt >= L2_FROM:
-        first = (block + L2_AHEAD) * per_block
-        for line in range((per_block * item_bytes(a) + 63) // 64):  # constants: the loop unrolls, no division
+    into_l2 = tt >= L2_FROM
+    first = (block + (L2_AHEAD if into_l2 else AHEAD)) * per_block
+    for line in range((per_block * item_bytes(a) + 63) // 64):  # constants: the loop unrolls, no division
+        if into_l2:
             prefetch_l2(a, first + line * (64 // item_bytes(a)))
-    else:
-        first = (block + AHEAD) * per_block
-        for line in range((per_block * item_bytes(a) + 63) // 64):
+        else:
             prefetch(a, first + line * (64 // item_bytes(a)))
 
 
@@ -147,7 +146,7 @@ def pair(w, x, s, t0, ta, tb):
 
 
 def legacy_ahead(w, sb, tt):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    """Ask for the lines of a strip-block ahead of sb = s * nb + b (`_ask_ahead`)."""
     qs, qh, d, m = w
     _ask_ahead(qs, sb, 256, tt)
     _ask_ahead(qh, sb, 64 if HIGH_BIT else 0, tt)
@@ -173,7 +172,7 @@ def legacy_block(w, x, s, b, t0, tt, f):
 
 
 def q8_0_ahead(w, sb, tt):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    """Ask for the lines of a strip-block ahead of sb = s * nb + b (`_ask_ahead`)."""
     qs, d = w
     _ask_ahead(qs, sb, 512, tt)
     _ask_ahead(d, sb, 16, tt)
@@ -194,7 +193,7 @@ def q8_0_block(w, x, s, b, t0, tt, f):
 
 
 def lut_ahead(w, sb, tt):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b); a d per super-block is not asked."""
+    """Ask for the lines of a strip-block ahead of sb = s * nb + b (`_ask_ahead`); a d per super-block is not asked."""
     lo, hi, d, sc, _ = w
     _ask_ahead(lo, sb, 256 if LUT_BITS == 4 else 128, tt)
     _ask_ahead(hi, sb, 0 if LUT_BITS == 4 else 64, tt)
@@ -240,7 +239,7 @@ def lut_block(w, x, s, b, t0, tt, f):
 
 
 def kquant_ahead(w, sb, tt):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    """Ask for the lines of a strip-block ahead of sb = s * nb + b (`_ask_ahead`)."""
     qs, qh, _, _, sc, mn = w
     _ask_ahead(qs, sb, 256, tt)
     _ask_ahead(qh, sb, 64 if HIGH_BIT else 0, tt)
@@ -296,7 +295,7 @@ def _per_16_at(x, s, b, t0, tt):
 
 
 def k16_ahead(w, sb, tt):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    """Ask for the lines of a strip-block ahead of sb = s * nb + b (`_ask_ahead`)."""
     lo, hi, _, sc = w
     _ask_ahead(lo, sb, 256 if K16_OFFSET == 32 else 128, tt)
     _ask_ahead(hi, sb, 128 if K16_OFFSET == 32 else 64, tt)
@@ -321,7 +320,7 @@ def k16_block(w, x, s, b, t0, tt, f):
 
 
 def q2_k_ahead(w, sb, tt):
-    """Ask for the lines of strip-block sb + AHEAD (sb = s * nb + b)."""
+    """Ask for the lines of a strip-block ahead of sb = s * nb + b (`_ask_ahead`)."""
     qc, _, _, scm = w
     _ask_ahead(qc, sb, 128, tt)
     _ask_ahead(scm, sb, 32, tt)
