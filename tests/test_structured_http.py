@@ -18,9 +18,11 @@ from servers import gateway_and_worker
 
 pytestmark = pytest.mark.slow
 
+# Every field bounded, so that any answer the grammar allows closes within max_tokens=80: with the population
+# unbounded, a change of the last bit of softmax's exp led SmolLM2 to "32000000..." until the token limit.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
           "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24},
-                         "population": {"type": "integer", "minimum": 0}}}
+                         "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000}}}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
 MESSAGES = [{"role": "user", "content": "Give the largest city of France as JSON."}]
 
