@@ -14,7 +14,7 @@ Kernels are written once against these ops and compiled per path (`specialize`):
   avx2      vpmaddubsw into 16-bit pair sums, widened by vpmaddwd (AVX2)
   portable  plain LLVM vector IR, lowered by LLVM for whatever CPU runs it
 Integer sums are identical on every path, and the float ops (fmul, fadd, fsub, never contracted, no
-fast-math flags; llvm.fma only where a kernel asks for f32_fma) are the same IR on every path, so
+fast-math flags; llvm.fma only in f32_fma and the vector exp) are the same IR on every path, so
 every path gives the same bits. (The integer tiles keep their block combine unfused: fused, it
 measured ~30% slower at T = 4-16 on the Zen 3.)
 
