@@ -112,6 +112,7 @@ class NgramProposer(Proposer):
         # Compile (or load from the cache) now, not on the first request.
         ngram_propose_batch(np.array([1, 2, 1, 2], np.int32), np.array([0, 4]), np.array([1], np.int32),
                             1, 2, np.empty((1, 1), np.int32), np.empty(1, np.int32))
+        ngram_propose_one(np.array([1, 2, 1, 2], np.int32), 1, 2, 1, np.empty(1, np.int32))
 
     @classmethod
     def parse_options(cls, options: Mapping[str, Any]) -> msgspec.Struct:
@@ -129,6 +130,11 @@ class NgramProposer(Proposer):
 
     def propose(self, requests: list[DraftRequest]) -> Drafts:
         num_reqs = len(requests)
+        if num_reqs == 1:  # one request: one compiled call, none of the batch's arrays to build
+            r, opts = requests[0], self.options
+            out = np.empty(max(r.max_draft_tokens, 0), np.int32)
+            n = ngram_propose_one(r.token_ids, opts.min_ngram_size, opts.max_ngram_size, r.max_draft_tokens, out)
+            return Drafts(token_ids=[out[:n]])
         max_drafts = np.array([r.max_draft_tokens for r in requests], dtype=np.int32)
         if num_reqs == 0 or max_drafts.max() <= 0:
             return Drafts.empty(num_reqs)

@@ -37,10 +37,13 @@ class ForwardBatch:
     def clear(self) -> None:
         self.num_reqs = self.num_tokens = self.num_logits = 0
 
-    def add(self, token_ids, num_cached: int, block_table, num_logits_rows: int) -> None:
-        """Append a request's run of tokens; its last `num_logits_rows` rows get logits."""
+    def add(self, token_ids, num_cached: int, block_table, num_logits_rows: int, drafts=None) -> None:
+        """Append a request's run of tokens, then its drafts if any; its last `num_logits_rows` rows get logits."""
         r, t0, n = self.num_reqs, self.num_tokens, len(token_ids)
         self.token_ids[t0 : t0 + n] = token_ids
+        if drafts is not None:
+            self.token_ids[t0 + n : t0 + n + len(drafts)] = drafts
+            n += len(drafts)
         self.cu_q[r + 1] = t0 + n
         self.seq_lens[r] = num_cached + n
         self.block_tables[r, : len(block_table)] = block_table

@@ -118,21 +118,28 @@ class ProposerPool:
         groups: dict[int, list[int]] = {}
         for i, ask in enumerate(asks):
             groups.setdefault(id(self.of_request[ask.request_id]), []).append(i)
+        if len(groups) == 1:  # every ask with one proposer, the usual case: its own Drafts, completed
+            return self._complete(self.of_request[asks[0].request_id], asks)
         out = Drafts.empty(len(asks))
         out.probs, out.sources, out.seconds = [None] * len(asks), [None] * len(asks), {}
         for indices in groups.values():
-            proposer = self.of_request[asks[indices[0]].request_id]
-            start = time.perf_counter()
-            got = self._call(proposer, [asks[i] for i in indices])
-            elapsed = time.perf_counter() - start
-            first_source = proposer.draft_sources[0]
+            got = self._complete(self.of_request[asks[indices[0]].request_id], [asks[i] for i in indices])
             for j, i in enumerate(indices):
-                out.token_ids[i] = got.token_ids[j]
-                out.probs[i] = got.probs[j] if got.probs else None
-                out.sources[i] = (got.sources[j] if got.sources else None) or first_source
-            for source, seconds in (got.seconds or {first_source: elapsed}).items():
+                out.token_ids[i], out.probs[i], out.sources[i] = got.token_ids[j], got.probs[j], got.sources[j]
+            for source, seconds in got.seconds.items():
                 out.seconds[source] = out.seconds.get(source, 0.0) + seconds
         return out
+
+    def _complete(self, proposer, asks: list):
+        """One proposer's Drafts for its asks, with probs, sources and seconds filled in."""
+        start = time.perf_counter()
+        got = self._call(proposer, asks)
+        elapsed = time.perf_counter() - start
+        first_source = proposer.draft_sources[0]
+        got.probs = got.probs or [None] * len(asks)
+        got.sources = [src or first_source for src in got.sources] if got.sources else [first_source] * len(asks)
+        got.seconds = got.seconds or {first_source: elapsed}
+        return got
 
     def _call(self, proposer, asks: list):
         """proposer.propose(asks): a plugin's checked (module docstring), a built-in's as it comes."""

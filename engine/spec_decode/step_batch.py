@@ -38,7 +38,7 @@ class StepBatch:
         fb = self.forward
         fb.clear()
         self.slot_of_item = []
-        probs = []
+        probs = []  # (q rows or None, num drafts) of the sampling requests with drafts
         num_sampling = 0
         for item in sched:
             seq = item.seq
@@ -47,9 +47,7 @@ class StepBatch:
             num_d = 0 if d_ids is None else len(d_ids)
             run = seq.token_ids[start : start + item.num_new_tokens]
             samples = start + item.num_new_tokens == seq.num_tokens
-            if num_d:
-                run = np.concatenate([run, d_ids.astype(np.int32)])
-            fb.add(run, start, seq.block_table, 1 + num_d if samples else 0)
+            fb.add(run, start, seq.block_table, 1 + num_d if samples else 0, d_ids if num_d else None)
             if not samples:
                 self.slot_of_item.append(-1)
                 continue
@@ -57,7 +55,7 @@ class StepBatch:
             self.slot_of_item.append(num_sampling)
             num_sampling += 1
         self.num_sampling = num_sampling
-        self.draft_probs = self._stack_probs(probs) if self.has_draft_probs[:num_sampling].any() else None
+        self.draft_probs = self._stack_probs(probs) if any(p is not None for p, _ in probs) else None
         return self
 
     def _add_sampling(self, r, seq, d_ids, num_d, d_probs, probs) -> None:
