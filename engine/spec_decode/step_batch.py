@@ -118,4 +118,4 @@ class StepBatch:
             return None
         lo, hi = int(self.cu_rows[r]), int(self.cu_rows[r + 1])
         a = int(self.out_num_accepted[r])
-        return self.out_token_ids[lo : lo + a + 1].copy(), hi - lo - 1, a, np.arange(lo, lo + a + 1)
+        return self.out_token_ids[lo : lo + a + 1].copy(), hi - lo - 1, a, range(lo, lo + a + 1)
