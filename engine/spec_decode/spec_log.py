@@ -53,17 +53,17 @@ class SpecLogger:
         self.last_per_pos: np.ndarray | None = None
 
     def maybe_log(self, spec_totals: SpecTotals) -> None:
-        totals, accepted_per_pos = spec_totals.counts, spec_totals.accepted_per_pos
         now = time.monotonic()
         if now - self.last_time < self.interval_s:
             return
+        totals, accepted_per_pos = spec_totals.counts, spec_totals.accepted_per_pos
         drafts, draft_tokens, accepted = (
             totals["num_drafts"], totals["num_draft_tokens"], totals["num_accepted_tokens"])
         d_drafts = drafts - self.last_totals[0]
         d_tokens = draft_tokens - self.last_totals[1]
         d_acc = accepted - self.last_totals[2]
         prev = self.last_per_pos if self.last_per_pos is not None else np.zeros_like(accepted_per_pos)
-        self.last_time, self.last_totals, self.last_per_pos = now, (drafts, draft_tokens, accepted), accepted_per_pos.copy()
+        self.last_time, self.last_totals, self.last_per_pos = now, (drafts, draft_tokens, accepted), accepted_per_pos
         if d_drafts == 0:
             return
         per_pos = (accepted_per_pos - prev) / d_drafts
