@@ -155,7 +155,7 @@ class FeatureHeadProposer(HeadProposer):
             embs.append(self.embed_tokens(_token_ids(s, d, ms.done + 1 + k, target + 2 + k)))
             feats.append(self._features(k, s, m, ms.done, target + 1))
             runs.append((ms.store, ms.done, s.feat_lo, target + 1 - ms.done))
-        z = self.modules[k].forward(_joined(embs), _joined(feats), runs)  # [sum rows, H]
+        z = self.modules[k].forward(np.concatenate(embs), np.concatenate(feats), runs)  # [sum rows, H]
         self.rows_run += len(z)
         out, offset = [], 0
         for s, m, (_, first, _, n) in zip(states, mods, runs):
@@ -164,9 +164,9 @@ class FeatureHeadProposer(HeadProposer):
             true_end = min(first + n, s.num_tokens - 1 - k, s.n_feat if k == 0 else m[k - 1].n_kv)
             ms.n_kv = max(ms.n_kv, true_end)
             ms.done = first + n
-            out.append(z[offset + n - 1 : offset + n])
+            out.append(z[offset + n - 1])
             offset += n
-        return _joined(out)
+        return np.stack(out)
 
     def _catch_up(self, k: int, state, mods: list[ModuleState], drafted, target: int) -> None:
         """Before module k runs its rows done..target in full, skip the rows no later row will see and run
@@ -198,7 +198,7 @@ class FeatureHeadProposer(HeadProposer):
         at that row; past what those cover, this module's own output at the row before (EAGLE-style)."""
         have = min(max(state.n_feat if k == 0 else mods[k - 1].done, lo), hi)
         below = state.feats if k == 0 else mods[k - 1].z
-        return _joined([part for part in (below[lo:have], mods[k].z[have - 1 : hi - 1]) if len(part)] or [below[lo:lo]])
+        return np.concatenate([below[lo:have], mods[k].z[have - 1 : hi - 1]])
 
 
 def _token_ids(state, drafted: list[int], lo: int, hi: int) -> np.ndarray:
@@ -207,9 +207,3 @@ def _token_ids(state, drafted: list[int], lo: int, hi: int) -> np.ndarray:
     if hi <= n:
         return state.tokens[lo:hi]
     return np.concatenate([state.tokens[lo:n], np.asarray(drafted[max(lo - n, 0) : hi - n], np.int32)])
-
-
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    """The arrays one after another along rows; one array as it is (a draft's usual single request: no copy,
-    and none of np.concatenate's code to fetch with the caches cold after the target's forward)."""
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
